@@ -1,0 +1,30 @@
+# specdeck: `make run` sets up and opens the app on the default pair; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PAIR ?= qwen2.5-coder-1.5b+0.5b
+# Linux without a GPU: the CPU build of torch (the default PyPI wheel pulls GBs of CUDA);
+# elsewhere any torch >= 2.4 does.
+TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
+
+.PHONY: run test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[torch,dev]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/specdeck ui --pair $(PAIR)
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check app backends tests
+	$(PY) -m pytest -q -ra
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check app backends tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,169 @@
+"""`specdeck` command line: argparse subcommands over the engine, store, server and UI.
+
+Knows: flags, their validation and how to print results (text or the --json contract).
+Must not know: array libraries (backends are loaded through backends.load_backend). Each
+subcommand lives in the module that owns it and registers itself through `add_subcommand`;
+a user error prints one line naming the fix and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from app.types import Done, SamplingParams, SpecdeckError, Step
+
+# modules that define add_subcommand(subparsers); missing ones are skipped until they exist
+SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui")
+DRAFTERS = ("none", "ngram", "draft", "auto")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except SpecdeckError as error:
+        print(f"specdeck: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdeck: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdeck", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(metavar="COMMAND")
+    _add_generate(sub)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name == name:
+                continue
+            raise
+        register = getattr(module, "add_subcommand", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a target and a drafter."""
+    p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+                   help="how draft tokens are proposed (none = plain decoding)")
+    p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step (num_draft_tokens)")
+    p.add_argument("--backend", default="auto", help="auto, torch or mlx")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                          stop=tuple(args.stop))
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate a completion with speculative decoding")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", help="file holding the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a contract)")
+    p.set_defaults(handler=_generate)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise SpecdeckError(f"prompt file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise SpecdeckError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    if not text.strip():
+        raise SpecdeckError("the prompt is empty: give some text to continue")
+    return text
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from app.loading import encode_prompt, load_engine
+
+    params = sampling_params(args)
+    text = read_prompt(args)
+    loaded = load_engine(args)
+    prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
+                               system=args.system)
+    loaded.engine.check_prompt(prompt_ids)
+    done = _stream(loaded.engine, prompt_ids, params, echo=not args.json)
+    if done.error:
+        raise SpecdeckError(f"generation failed: {done.error}")
+    if args.json:
+        print(json.dumps(result_json(done, loaded), ensure_ascii=False))
+    else:
+        s = done.stats
+        print(f"\n[{s.n_new_tokens} tokens, {s.decode_tok_s:.2f} tok/s, τ "
+              f"{s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.0%}, "
+              f"drafter {loaded.drafter_name}, k {loaded.engine.k}]", file=sys.stderr)
+    return 0
+
+
+def _stream(engine: Any, prompt_ids: list[int], params: SamplingParams, echo: bool) -> Done:
+    cancel = threading.Event()
+    done: Done | None = None
+    try:
+        for event in engine.generate(prompt_ids, params, cancel=cancel):
+            if isinstance(event, Step) and echo:
+                print(event.text, end="", flush=True)
+            elif isinstance(event, Done):
+                done = event
+    except KeyboardInterrupt:
+        cancel.set()
+        raise
+    assert done is not None
+    return done
+
+
+def result_json(done: Done, loaded: Any) -> dict[str, Any]:
+    """The generate --json contract: other tools read these names."""
+    engine = loaded.engine
+    return {
+        "text": done.text,
+        "token_ids": list(done.token_ids),
+        "stop_reason": done.stop_reason,
+        **done.stats.to_dict(),
+        "drafter": loaded.drafter_name,
+        "k": engine.k,
+        "backend": loaded.backend_name,
+        "device": engine.target.device,
+        "dtype": engine.target.dtype,
+        "target": engine.target.name,
+        "from_draft": list(done.from_draft),
+    }

@@ -1,0 +1,175 @@
+"""Values that flow through specdeck: sampling settings, drafts, verdicts, events, metrics.
+
+Knows: the domain words (target, drafter, draft tokens, accepted, recovered, bonus, step, k)
+and the field's metric definitions. Must not know: any array library or backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+StopReason = Literal["eos", "length", "stop_string", "cancelled", "error"]
+
+
+class SpecdeckError(Exception):
+    """An error a user can fix; the message names the fix. Never shown as a traceback."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables the filter
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy"),
+            (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k}); use 0 to disable it"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}); use 1 to disable it"),
+            (0 <= self.min_p < 1, f"min_p must be in [0, 1) (got {self.min_p}); use 0 to disable it"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecdeckError(message)
+        if any(not s for s in self.stop):
+            raise SpecdeckError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Up to k draft tokens. probs is None for a deterministic drafter (one-hot q)."""
+
+    tokens: tuple[int, ...] = ()
+    probs: Any = None  # numpy [len(tokens), draft_vocab]: the q each token was drawn from
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one draft: how many draft tokens survive and the token after them."""
+
+    n_accepted: int
+    next_token: int  # recovered token on a rejection, bonus token when every draft survived
+    is_bonus: bool
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Metrics of one generation, with the field's definitions (see ARCHITECTURE.md)."""
+
+    n_prompt_tokens: int = 0
+    n_cached_prompt_tokens: int = 0  # prompt tokens reused from the session's cache
+    n_new_tokens: int = 0
+    target_forwards: int = 0  # verify forwards after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # accepted[j]: steps whose draft j survived
+    drafted_per_position: tuple[int, ...] = ()  # steps that proposed a draft at position j
+    accepted_length_histogram: tuple[int, ...] = ()  # [m]: steps that accepted m drafts
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens committed per target forward, bonus included; plain decoding is 1.0."""
+        decoded = self.n_new_tokens - 1  # the first token comes from the prefill forward
+        return decoded / self.target_forwards if self.target_forwards else 1.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first token, prefill excluded."""
+        decoded = self.n_new_tokens - 1
+        return decoded / self.decode_s if self.decode_s > 0 and decoded > 0 else 0.0
+
+    @property
+    def other_s(self) -> float:
+        """Decode time spent outside drafting and verification (sampling, stop rules, text)."""
+        return max(self.decode_s - self.draft_s - self.verify_s, 0.0)
+
+    @property
+    def acceptance_per_position(self) -> tuple[float, ...]:
+        """Share of steps that reached position j and accepted it."""
+        return tuple(a / d if d else 0.0
+                     for a, d in zip(self.accepted_per_position, self.drafted_per_position))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready view; the names are a contract read by CLI, server and bench."""
+        return {
+            "n_prompt_tokens": self.n_prompt_tokens,
+            "n_cached_prompt_tokens": self.n_cached_prompt_tokens,
+            "n_new_tokens": self.n_new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_per_position": list(self.acceptance_per_position),
+            "accepted_length_histogram": list(self.accepted_length_histogram),
+            "decode_tok_s": self.decode_tok_s,
+            "ttft_s": self.ttft_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "other_s": self.other_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step as seen by a consumer: the tokens committed and where they came from."""
+
+    tokens: tuple[int, ...]  # committed this step, already cut at a stop rule
+    from_draft: tuple[bool, ...]  # True where the token was an accepted draft token
+    text: str  # text delta; may be empty while a UTF-8 character is incomplete
+    n_drafted: int
+    n_accepted: int
+    stats: RunStats
+
+
+@dataclass(frozen=True)
+class Done:
+    """End of a generation: the full output and final metrics."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stop_reason: StopReason
+    stats: RunStats
+    error: str | None = None
+    from_draft: tuple[bool, ...] = field(default=())
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest shared prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,44 @@
+"""Backend selection: detect_backend() picks one for this machine; load_backend(name) imports it.
+
+Knows: which adapters exist and what hardware each needs. Imports are lazy so that the app
+starts without torch or mlx installed and names the missing extra instead of crashing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from typing import Any
+
+from app.types import SpecdeckError
+
+BACKENDS = ("torch", "mlx")
+
+
+def detect_backend() -> str:
+    """MLX on Apple silicon, torch elsewhere (CUDA when present, else CPU)."""
+    apple = platform.system() == "Darwin" and platform.machine() == "arm64"
+    if apple and importlib.util.find_spec("mlx_lm") is not None:
+        return "mlx"
+    return "torch"
+
+
+def load_backend(name: str = "auto") -> Any:
+    """The backend object for name ('auto', 'torch' or 'mlx')."""
+    name = detect_backend() if name == "auto" else name
+    if name == "torch":
+        _need("torch", "torch")
+        _need("transformers", "torch")
+        from backends.torch_backend import TorchBackend
+        return TorchBackend()
+    if name == "mlx":
+        _need("mlx", "mlx")
+        _need("mlx_lm", "mlx")
+        from backends.mlx_backend import MlxBackend
+        return MlxBackend()
+    raise SpecdeckError(f"unknown backend {name!r}: use auto, {' or '.join(BACKENDS)}")
+
+
+def _need(module: str, extra: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise SpecdeckError(f"the {extra} backend needs {module}: pip install 'specdeck[{extra}]'")

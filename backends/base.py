@@ -1,0 +1,123 @@
+"""The contracts between the engine and an array library.
+
+Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
+from a drafter (Drafter); what a forward pass returns (TargetOutput); what a backend can do
+(Capabilities). Must not know: torch, mlx, transformers. Adapters in this package implement
+these protocols; the engine in app/engine.py consumes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from app.types import Draft, SamplingParams
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded model's session supports; checked at load, never discovered mid-run."""
+
+    rewind: bool = True  # attention-only KV caches can be cut; recurrent state cannot
+    hidden_states: bool = False  # can capture chosen layers' hidden states for heads
+    tree_attention: bool = False  # accepts a custom 4D mask for tree drafts
+    reason: str = ""  # why a capability is missing, named in refusals
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """Rows of one forward pass: row i scores the token after input i.
+
+    argmax: per-row argmax ids (all greedy needs to leave the device).
+    logits: host numpy [rows, vocab] float32, produced lazily by `host_logits`.
+    hidden_states: captured layer index -> backend array [rows, hidden], for heads.
+    """
+
+    argmax: tuple[int, ...]
+    logits_fn: Any = field(repr=False, default=None)
+    hidden_states: Mapping[int, Any] = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.argmax)
+
+    def host_logits(self) -> np.ndarray:
+        return self.logits_fn()
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One KV cache over one token sequence. Lengths are absolute token counts."""
+
+    @property
+    def length(self) -> int: ...
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
+        """Append token_ids to the cache; return rows for the last n_logits inputs."""
+        ...
+
+    def rewind(self, length: int) -> None:
+        """Cut the cache to exactly `length` tokens (absolute, never relative)."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """The slice of an HF-style tokenizer the app uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A loaded causal LM with its tokenizer."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int  # rows of the output layer (may include padding)
+    eos_token_ids: frozenset[int]
+    context_length: int
+    capabilities: Capabilities
+    device: str
+    dtype: str
+
+    def start(self, capture_layers: Sequence[int] = ()) -> Session: ...
+
+    def weights_bytes(self) -> int: ...
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory of the device this model runs on (process RSS peak on CPU)."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens; told the outcome of each verification.
+
+    Lifecycle: begin(prompt, first_output, params, rng), then per step
+    propose(context, k) -> Draft and accept(n_accepted, verified_output).
+    """
+
+    name: str
+    capture_layers: tuple[int, ...]  # target layers whose hidden states `accept` needs
+
+    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
+              params: SamplingParams, rng: np.random.Generator) -> None: ...
+
+    def propose(self, context: Sequence[int], k: int) -> Draft: ...
+
+    def accept(self, n_accepted: int, verified: TargetOutput) -> None: ...
+
+
+class Backend(Protocol):
+    """An array library adapter: loads models and builds its model-based drafters."""
+
+    name: str
+
+    def load(self, path: str, device: str = "auto", dtype: str = "auto") -> Model: ...
+
+    def draft_model_drafter(self, target: Model, draft: Model) -> Drafter: ...

@@ -1,0 +1,211 @@
+"""PyTorch + transformers adapter: load a target, run forwards on a DynamicCache, rewind it.
+
+Knows: transformers' AutoModelForCausalLM, GGUF loading and the one-time safetensors
+conversion, devices and dtypes, layer hooks for hidden-state capture. Must not know:
+drafting or verification rules (app/), the catalogue of pairs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import resource
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from app.types import SpecdeckError
+from backends.base import Capabilities, TargetOutput
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecdeckError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise SpecdeckError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    # fp32 on CPU keeps greedy output bit-exact between plain and speculative decoding
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+class TorchSession:
+    """One DynamicCache; forward appends, rewind crops to an absolute length."""
+
+    def __init__(self, model: TorchModel, capture_layers: Sequence[int]) -> None:
+        self._model = model
+        self._cache = DynamicCache(config=model.hf.config)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [self._hook(i) for i in capture_layers]
+
+    @property
+    def length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._model.device)
+        with torch.inference_mode():
+            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=n_logits,
+                                 **{self._model.cache_kwarg: self._cache})
+        logits = out.logits[0]  # [n_logits, vocab]
+        argmax = tuple(logits.argmax(dim=-1).tolist())
+        hidden = {i: h[0] for i, h in self._captured.items()}  # [len(token_ids), hidden]
+        self._captured = {}
+        return TargetOutput(argmax=argmax, logits_fn=lambda: logits.float().cpu().numpy(),
+                            hidden_states=hidden)
+
+    def rewind(self, length: int) -> None:
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        # per layer: a forward interrupted by an exception can leave layers of unequal length
+        for layer in self._cache.layers:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
+
+    def _hook(self, layer: int) -> Any:
+        def keep(_module: Any, _inputs: Any, output: Any) -> None:
+            self._captured[layer] = output[0] if isinstance(output, tuple) else output
+        return self._model.layers[layer].register_forward_hook(keep)
+
+
+class TorchModel:
+    """A loaded transformers causal LM and its tokenizer."""
+
+    def __init__(self, hf: Any, tokenizer: Any, name: str, device: str) -> None:
+        self.hf = hf.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = device
+        self.dtype = str(hf.dtype).removeprefix("torch.")
+        config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self.eos_token_ids = _eos_ids(hf, tokenizer)
+        self.layers = hf.model.layers
+        # transformers 5.x renames past_key_values to cache; take whichever this version has
+        params = inspect.signature(hf.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.n_layers = len(self.layers)
+        self.capabilities = _capabilities(config)
+
+    def start(self, capture_layers: Sequence[int] = ()) -> TorchSession:
+        bad = [i for i in capture_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")
+        return TorchSession(self, capture_layers)
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.hf.parameters())
+
+    def peak_memory_bytes(self) -> int:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class TorchBackend:
+    """Loads HF folders and GGUF files; builds the draft-model drafter."""
+
+    name = "torch"
+
+    def load(self, path: str, device: str = "auto", dtype: str = "auto") -> TorchModel:
+        device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device)
+        folder = _hf_folder(Path(path))
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
+                                "folder holds config.json, weights and tokenizer files, or "
+                                "re-download it with `specdeck pull`") from error
+        return TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
+
+    def draft_model_drafter(self, target: TorchModel, draft: TorchModel) -> Any:
+        from backends.torch_drafters import DraftModelDrafter
+        return DraftModelDrafter(target, draft)
+
+
+def _hf_folder(path: Path) -> str:
+    """An HF-format folder for path: itself, or the cached conversion of a .gguf file."""
+    if not path.exists():
+        raise SpecdeckError(f"model not found: {path}. Give an HF model folder or a .gguf file, "
+                            "or download a pair with `specdeck pull`")
+    if path.is_dir():
+        return str(path)
+    if path.suffix != ".gguf":
+        raise SpecdeckError(f"{path} is neither a folder nor a .gguf file")
+    converted = path.with_name(path.name + CONVERTED_SUFFIX)
+    if not (converted / "config.json").exists():
+        convert_gguf(path, converted)
+    return str(converted)
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize a GGUF once into an fp32 safetensors folder; dest appears only when complete."""
+    print(f"specdeck: converting {gguf.name} to safetensors once (later loads take seconds)...")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as error:
+        raise SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
+                            "corrupt: delete it and download it again") from error
+    # transformers refuses to save GGUF-quantized models; the weights are already dequantized
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=dest.parent))
+    try:
+        hf.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, dest)
+    except OSError as error:
+        raise SpecdeckError(f"could not write the converted model to {dest}: {error}. Free "
+                            "some disk space and run again") from error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:
+    """Every end-of-sequence id the model declares (Qwen declares several)."""
+    ids: set[int] = set()
+    for source in (getattr(hf.generation_config, "eos_token_id", None),
+                   getattr(hf.config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def _capabilities(config: Any) -> Capabilities:
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    recurrent = layer_types - {"full_attention", "sliding_attention"}
+    if recurrent:
+        return Capabilities(rewind=False, hidden_states=True,
+                            reason=f"layers of type {sorted(recurrent)} keep a state that cannot "
+                                   "be rewound")
+    return Capabilities(rewind=True, hidden_states=True, tree_attention=True)
+
+
+def _display_name(path: Path) -> str:
+    return path.name.removesuffix(".gguf") or str(path)

@@ -1,0 +1,70 @@
+"""Model-based drafters on torch: DraftModelDrafter (a small model of the same family).
+
+Knows: how to run a draft model autoregressively on its own cache and keep that cache in
+step with the committed tokens. Must not know: verification or the target's cache. The
+drafter's cache follows the context by common prefix, so one rule covers both cases of
+ALGORITHMS.md 3.1: after a rejection it rewinds, after full acceptance it catches up on d_k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from app.pairing import check_vocab_compatible
+from app.sampling import sample, warp
+from app.types import Draft, SamplingParams, common_prefix_length
+from backends.base import Model, TargetOutput
+
+
+class DraftModelDrafter:
+    """Drafts k tokens with a small model: argmax when greedy, sampled (with q) otherwise."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: Model, draft: Model) -> None:
+        check_vocab_compatible(target, draft)
+        self.name = "draft"
+        self.model = draft
+        self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
+        self._session = draft.start()
+        self._cached: list[int] = []
+        self._params = SamplingParams()
+        self._rng = np.random.default_rng()
+
+    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
+              params: SamplingParams, rng: np.random.Generator) -> None:
+        self._params, self._rng = params, rng
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        if k <= 0:
+            return Draft()
+        reuse = min(common_prefix_length(self._cached, context), len(context) - 1)
+        self._session.rewind(reuse)
+        del self._cached[reuse:]
+        feed = list(context[reuse:])
+        tokens: list[int] = []
+        rows: list[np.ndarray] = []
+        for _ in range(k):
+            out = self._session.forward(feed, n_logits=1)
+            self._cached.extend(feed)
+            token, q = self._choose(out)
+            tokens.append(token)
+            if q is not None:
+                rows.append(q)
+            feed = [token]
+        probs = np.stack(rows) if rows else None
+        return Draft(tokens=tuple(tokens), probs=probs)
+
+    def accept(self, n_accepted: int, verified: TargetOutput) -> None:
+        # nothing to do now: the next propose aligns the cache with the committed context
+        return None
+
+    def _choose(self, out: TargetOutput) -> tuple[int, np.ndarray | None]:
+        if self._params.greedy:
+            token = out.argmax[-1]
+            if token < self._vocab:
+                return token, None
+        q = warp(out.host_logits()[-1, :self._vocab], self._params)
+        return sample(q, self._rng), (None if self._params.greedy else q)

@@ -21,8 +21,16 @@ import numpy as np
 from app.ngram import NoDrafter
 from app.sampling import sample, warp
 from app.text import IncrementalDetokenizer
-from app.types import (Done, Draft, RunStats, SamplingParams, SpecdeckError, Step, StopReason,
-                       common_prefix_length)
+from app.types import (
+    Done,
+    Draft,
+    RunStats,
+    SamplingParams,
+    SpecdeckError,
+    Step,
+    StopReason,
+    common_prefix_length,
+)
 from app.verify import verify_greedy, verify_sampled
 from backends.base import Drafter, Model, TargetOutput
 

@@ -15,7 +15,8 @@ import numpy as np
 from app.types import Draft, SamplingParams
 
 
-def propose_lookup(context: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, ...]:
+def propose_lookup(context: Sequence[int], k: int, min_n: int = 1,
+                   max_n: int = 4) -> tuple[int, ...]:
     """Up to k tokens that followed the most recent earlier match of the longest suffix."""
     if k <= 0 or len(context) < min_n + 1:
         return ()

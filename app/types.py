@@ -35,9 +35,12 @@ class SamplingParams:
             (math.isfinite(self.temperature) and self.temperature >= 0,
              f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy"),
             (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k}); use 0 to disable it"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}); use 1 to disable it"),
-            (0 <= self.min_p < 1, f"min_p must be in [0, 1) (got {self.min_p}); use 0 to disable it"),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"),
+            (0 < self.top_p <= 1,
+             f"top_p must be in (0, 1] (got {self.top_p}); use 1 to disable it"),
+            (0 <= self.min_p < 1,
+             f"min_p must be in [0, 1) (got {self.min_p}); use 0 to disable it"),
+            (self.max_new_tokens >= 1,
+             f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"),
         ]
         for ok, message in checks:
             if not ok:

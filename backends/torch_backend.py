@@ -11,6 +11,7 @@ import inspect
 import os
 import resource
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 from app.types import SpecdeckError
 from backends.base import Capabilities, TargetOutput
@@ -31,7 +33,8 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecdeckError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+        raise SpecdeckError("--device cuda was asked for but no CUDA GPU is visible: "
+                            "use --device cpu")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise SpecdeckError(f"unknown device {device!r}: use auto, cpu or cuda")
     return device
@@ -130,6 +133,7 @@ class TorchBackend:
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device)
         folder = _hf_folder(Path(path))
+        hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
         try:
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -161,7 +165,8 @@ def _hf_folder(path: Path) -> str:
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize a GGUF once into an fp32 safetensors folder; dest appears only when complete."""
-    print(f"specdeck: converting {gguf.name} to safetensors once (later loads take seconds)...")
+    print(f"specdeck: converting {gguf.name} to safetensors once (later loads take seconds)...",
+          file=sys.stderr)
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                   dtype=torch.float32)

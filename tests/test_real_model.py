@@ -1,0 +1,33 @@
+"""SmolLM2-135M-Instruct from the PyPI mirror: speculative greedy output equals plain output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def run_json(capsys, gguf, *args: str) -> dict:
+    code = main(["generate", "--target", str(gguf), "--chat", "--prompt", PROMPT,
+                 "--max-new-tokens", "48", "--json", *args])
+    out = capsys.readouterr().out
+    assert code == 0
+    return json.loads(out)
+
+
+def test_ngram_and_self_draft_produce_exactly_the_plain_tokens(smollm2_gguf, capsys):
+    plain = run_json(capsys, smollm2_gguf, "--drafter", "none")
+    ngram = run_json(capsys, smollm2_gguf, "--drafter", "ngram", "--k", "4")
+    draft = run_json(capsys, smollm2_gguf, "--drafter", "draft", "--draft", str(smollm2_gguf),
+                     "--k", "4")
+    assert plain["n_new_tokens"] > 10 and plain["text"].strip()
+    assert ngram["token_ids"] == plain["token_ids"]
+    assert draft["token_ids"] == plain["token_ids"]
+    assert draft["acceptance_rate"] == 1.0
+    assert draft["mean_accepted_length"] > 3.0

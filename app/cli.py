@@ -20,7 +20,7 @@ from typing import Any
 from app.types import Done, SamplingParams, SpecdeckError, Step
 
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
-SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui")
+SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui", "app.recipe")
 DRAFTERS = ("none", "ngram", "draft", "auto")
 
 
@@ -63,10 +63,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
                    help="how draft tokens are proposed (none = plain decoding)")
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step (num_draft_tokens)")
+    p.add_argument("--k", type=k_value, default=4,
+                   help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
+                        "from measured costs and acceptance")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+
+
+def k_value(text: str) -> int | str:
+    """--k: a whole number (validated later, with the fix named) or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        message = f"--k takes a whole number or auto (got {text!r})"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.adaptive import KController
 from app.ngram import NoDrafter
 from app.sampling import sample, warp
 from app.text import IncrementalDetokenizer
@@ -50,6 +51,7 @@ class _Tally:
     forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    off_steps: int = 0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_start: float = 0.0
@@ -79,7 +81,8 @@ class _Tally:
             drafted_per_position=tuple(self.drafted_at),
             accepted_length_histogram=tuple(self.histogram), prefill_s=self.prefill_s,
             ttft_s=self.ttft_s, decode_s=decode_s, draft_s=self.draft_s,
-            verify_s=self.verify_s, peak_memory_bytes=peak)
+            verify_s=self.verify_s, speculation_off_steps=self.off_steps,
+            peak_memory_bytes=peak)
 
 
 class _StopRules:
@@ -143,12 +146,15 @@ class SpecEngine:
     server's per-model lock).
     """
 
-    def __init__(self, target: Model, drafter: Drafter | None = None, k: int = 4) -> None:
-        if k < 0:
-            raise SpecdeckError(f"k must be >= 0 (got {k})")
+    def __init__(self, target: Model, drafter: Drafter | None = None, k: int | str = 4,
+                 k_max: int = 8) -> None:
+        if k != "auto" and (not isinstance(k, int) or k < 0):
+            raise SpecdeckError(f"k must be an integer >= 0 or 'auto' (got {k!r})")
         self.target = target
         self.drafter: Drafter = drafter or NoDrafter()
-        self.k = k if drafter is not None else 0
+        # k="auto": the controller picks k per step from measured costs and acceptance
+        self.controller = KController(k_max=k_max) if k == "auto" and drafter else None
+        self.k: int | str = k if drafter is not None else 0
         self.session = target.start(capture_layers=self.drafter.capture_layers)
         self._cached: list[int] = []  # token ids held in the session's cache, in order
         self.lock = threading.Lock()
@@ -174,10 +180,12 @@ class SpecEngine:
         output: list[int] = []
         from_draft: list[bool] = []
         reuse = min(common_prefix_length(self._cached, prompt), len(prompt) - 1)
-        tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=self.k)
-        start = time.perf_counter()
+        tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=self.k_max)
         try:
             self._rewind(reuse)
+            if self.controller is not None and not self.controller.verify_s:
+                self._probe_verify_costs(prompt[0])
+            start = time.perf_counter()
             first_out = self._forward(prompt[reuse:], n_logits=1)
             first = self._choose(first_out, params, rng)
             tally.prefill_s = tally.ttft_s = time.perf_counter() - start
@@ -217,8 +225,10 @@ class SpecEngine:
                    ) -> tuple[list[int], list[bool], int, StopReason | None]:
         """One propose -> verify -> rewind -> accept step; returns the committed tokens."""
         n_output = len(context) - tally.n_prompt
+        chosen = self.controller.choose() if self.controller is not None else int(self.k)
         # never draft past the token limit: the step also commits one target token
-        k = min(self.k, limit - n_output - 1)
+        k = min(chosen, limit - n_output - 1)
+        tally.off_steps += chosen == 0 and self.controller is not None
         t0 = time.perf_counter()
         draft = self.drafter.propose(context, k) if k > 0 else Draft()
         draft = _clip(draft, k)
@@ -231,9 +241,11 @@ class SpecEngine:
         self._rewind(n_cached + m + 1)  # keep pending, d1..dm
         t2 = time.perf_counter()
         self.drafter.accept(m, out)
-        tally.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        tally.draft_s += (t1 - t0) + (t3 - t2)
         tally.verify_s += t2 - t1
         tally.record(len(draft.tokens), m)
+        step_start = t0
         proposed = [*draft.tokens[:m], verdict.next_token]
         new: list[int] = []
         reason: StopReason | None = None
@@ -243,7 +255,25 @@ class SpecEngine:
             if reason is not None:
                 break
         flags = [i < m for i in range(len(new))]
+        if self.controller is not None:
+            other = time.perf_counter() - step_start - (t1 - t0) - (t2 - t1) - (t3 - t2)
+            self.controller.observe(len(draft.tokens), m, (t1 - t0) + (t3 - t2), t2 - t1, other)
         return new, flags, len(draft.tokens), reason
+
+    @property
+    def k_max(self) -> int:
+        return self.controller.k_max if self.controller is not None else int(self.k)
+
+    def _probe_verify_costs(self, token: int) -> None:
+        """Time forwards over 1..k_max+1 tokens once, so the first steps choose k well."""
+        base = len(self._cached)
+        costs: dict[int, float] = {}
+        for rows in (1, 1, 2, 3, 5, self.k_max + 1):  # the first 1-row forward warms up
+            t0 = time.perf_counter()
+            self._forward([token] * rows, n_logits=rows)
+            costs[rows] = time.perf_counter() - t0
+            self._rewind(base)
+        self.controller.seed_costs(costs)
 
     def _choose(self, out: TargetOutput, params: SamplingParams, rng: np.random.Generator) -> int:
         """Plain decoding's token choice on the last row, through the shared pipeline."""

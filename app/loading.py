@@ -20,30 +20,65 @@ class Loaded:
     engine: SpecEngine
     drafter_name: str
     backend_name: str
+    notes: tuple[str, ...] = ()  # why this drafter (the planner's reasons for --drafter auto)
 
 
 def load_engine(args: Any) -> Loaded:
     """Build the engine the flags describe; every user mistake raises SpecdeckError."""
-    if args.k < 0:
-        raise SpecdeckError(f"--k must be >= 0 (got {args.k})")
+    if args.k != "auto" and args.k < 0:
+        raise SpecdeckError(f"--k must be >= 0 or auto (got {args.k})")
     if not args.target:
         raise SpecdeckError("give a target model with --target PATH (HF folder or .gguf)")
     drafter_kind = args.drafter
-    if drafter_kind == "draft" and not args.draft:
+    pair = _installed_pair(args.target, args.backend)
+    draft_path = args.draft or (str(pair[1]) if pair and pair[1] else None)
+    if drafter_kind == "draft" and not draft_path:
         raise SpecdeckError("--drafter draft needs --draft PATH (a small model of the same family)")
-    if drafter_kind == "auto":
-        drafter_kind = "draft" if args.draft else "ngram"
     backend = load_backend(args.backend)
-    target = backend.load(args.target, device=args.device, dtype=args.dtype)
+    target_path = str(pair[0]) if pair else args.target
+    target = backend.load(target_path, device=args.device, dtype=args.dtype)
+    notes: tuple[str, ...] = ()
+    if drafter_kind == "auto":
+        drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft)
     if drafter_kind == "none" or args.k == 0:
         drafter, name = None, "none"
     elif drafter_kind == "ngram":
         drafter, name = NgramDrafter(), "ngram"
     else:
-        draft = backend.load(args.draft, device=args.device, dtype=args.dtype)
+        draft = backend.load(draft_path, device=args.device, dtype=args.dtype)
         drafter, name = backend.draft_model_drafter(target, draft), "draft"
     engine = SpecEngine(target, drafter, k=args.k)
-    return Loaded(engine=engine, drafter_name=name, backend_name=backend.name)
+    return Loaded(engine=engine, drafter_name=name, backend_name=backend.name, notes=notes)
+
+
+def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
+    """(target path, draft path) when --target names a catalogue pair rather than a path."""
+    from pathlib import Path
+
+    from app import registry, store
+
+    if Path(target).expanduser().exists() or target not in registry.load_catalogue().pairs:
+        return None
+    return store.installed_paths(target, None if backend == "auto" else backend,
+                                 need_draft=False)
+
+
+def _auto_drafter(args: Any, backend: str, draft_path: str | None
+                  ) -> tuple[str, str | None, tuple[str, ...]]:
+    """--drafter auto: the --draft model when given, else the planner's choice among the
+    drafters that are downloaded (a missing one is named in the notes, never fetched)."""
+    from app import planner, store
+
+    if draft_path:
+        return "draft", draft_path, (f"drafter: draft {draft_path} (given)",)
+    try:
+        plan = planner.plan(args.target, backend, args.device,
+                            implemented=frozenset({"ngram", "draft"}),  # what this file builds
+                            installed=lambda model: store.model_path(model, backend))
+    except SpecdeckError as error:
+        return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)
+    path = str(plan.choice.path) if plan.choice.path else None
+    return plan.choice.kind, path, tuple(plan.reasons())
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False,

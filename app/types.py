@@ -88,6 +88,7 @@ class RunStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    speculation_off_steps: int = 0  # steps where k="auto" chose not to draft (it did not pay)
     peak_memory_bytes: int = 0
 
     @property
@@ -140,6 +141,7 @@ class RunStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "other_s": self.other_s,
+            "speculation_off_steps": self.speculation_off_steps,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
 

@@ -23,10 +23,13 @@ class DraftModelDrafter:
 
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, target: Model, draft: Model) -> None:
+    def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0) -> None:
         check_vocab_compatible(target, draft)
         self.name = "draft"
         self.model = draft
+        # stop drafting once the draft's top probability falls below this (llama.cpp's p-min):
+        # an unsure draft token is likely rejected and would waste the rest of the chain
+        self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
         self._session = draft.start()
         self._cached: list[int] = []
@@ -50,6 +53,8 @@ class DraftModelDrafter:
             out = self._session.forward(feed, n_logits=1)
             self._cached.extend(feed)
             token, q = self._choose(out)
+            if tokens and self.min_confidence and self._confidence(out, q) < self.min_confidence:
+                break
             tokens.append(token)
             if q is not None:
                 rows.append(q)
@@ -60,6 +65,12 @@ class DraftModelDrafter:
     def accept(self, n_accepted: int, verified: TargetOutput) -> None:
         # nothing to do now: the next propose aligns the cache with the committed context
         return None
+
+    def _confidence(self, out: TargetOutput, q: np.ndarray | None) -> float:
+        if q is not None:
+            return float(q.max())
+        logits = out.host_logits()[-1, :self._vocab].astype(np.float64)
+        return float(1.0 / np.exp(logits - logits.max()).sum())
 
     def _choose(self, out: TargetOutput) -> tuple[int, np.ndarray | None]:
         if self._params.greedy:

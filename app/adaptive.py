@@ -1,0 +1,111 @@
+"""Cost-aware draft length: choose k per step to maximise expected committed tokens per second.
+
+Knows: the cost model of ALGORITHMS.md 9.1 (E(k) = 1 + sum_j prod_{i<=j} a_i committed tokens
+for T(k) = k * t_draft + T_verify(k + 1) + overhead seconds), running estimates of the
+per-position conditional acceptance a_j, the measured verify cost curve and the draft cost
+per token. Must not know: models, backends, the engine's loop (it is fed observations).
+
+k = 0 means plain decoding for that step. While speculation does not pay it stays off, but
+every `explore_every` steps one step drafts again so a change in the text (a quoted block of
+code, say) is noticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KController:
+    """Running cost and acceptance estimates, and the k they recommend."""
+
+    k_max: int = 8
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0  # pseudo-steps of belief in the prior
+    decay: float = 0.95  # per-step decay of old evidence (about 20 steps of memory)
+    explore_every: int = 16
+    verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
+    draft_token_s: float | None = None  # seconds per drafted token (EMA); None: not seen yet
+    overhead_s: float = 0.0  # per-step time outside draft and verify (EMA)
+    _reached: list[float] = field(default_factory=list)
+    _accepted: list[float] = field(default_factory=list)
+    _steps_off: int = 0
+
+    def __post_init__(self) -> None:
+        self._reached = [0.0] * self.k_max
+        self._accepted = [0.0] * self.k_max
+
+    def seed_costs(self, verify_s: Mapping[int, float]) -> None:
+        """Start from a probed verify cost curve (rows -> seconds)."""
+        self.verify_s.update({int(n): float(s) for n, s in verify_s.items()})
+
+    def acceptance(self) -> list[float]:
+        """a_j: probability that draft j survives given drafts 1..j-1 did."""
+        w, prior = self.prior_weight, self.prior_acceptance
+        return [(a + w * prior) / (r + w) for a, r in zip(self._accepted, self._reached)]
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            survive *= a
+            total += survive
+        return total
+
+    def step_seconds(self, k: int) -> float:
+        draft = k * (self.draft_token_s or 0.0)
+        return draft + self.verify_cost(k + 1) + self.overhead_s
+
+    def verify_cost(self, rows: int) -> float:
+        """Measured cost of a forward over `rows` tokens, interpolated between known sizes."""
+        if rows in self.verify_s:
+            return self.verify_s[rows]
+        known = sorted(self.verify_s)
+        if not known:
+            return 1.0 + 0.1 * (rows - 1)  # shape only: with no data, longer still costs more
+        below = [n for n in known if n < rows]
+        above = [n for n in known if n > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t = (rows - lo) / (hi - lo)
+            return self.verify_s[lo] * (1 - t) + self.verify_s[hi] * t
+        if below:  # extrapolate with the slope of the last two points (or flat)
+            lo = below[-1]
+            prev = below[-2] if len(below) > 1 else None
+            slope = ((self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)) if prev else 0.0
+            return self.verify_s[lo] + max(slope, 0.0) * (rows - lo)
+        return self.verify_s[above[0]]
+
+    def choose(self) -> int:
+        """The k with the most expected tokens per second; 0 when speculation does not pay."""
+        rates = [self.expected_tokens(k) / self.step_seconds(k) for k in range(self.k_max + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if best == 0:
+            self._steps_off += 1
+            if self._steps_off % self.explore_every == 0:
+                return max(range(1, self.k_max + 1), key=rates.__getitem__)
+        else:
+            self._steps_off = 0
+        return best
+
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
+                other_s: float) -> None:
+        """Fold one step's outcome and timings into the estimates."""
+        rows = n_drafted + 1
+        old = self.verify_s.get(rows)
+        self.verify_s[rows] = _ema(old, verify_s)
+        self.overhead_s = _ema(self.overhead_s or None, other_s)
+        if n_drafted:
+            self.draft_token_s = _ema(self.draft_token_s, draft_s / n_drafted)
+        for j in range(self.k_max):
+            self._reached[j] *= self.decay
+            self._accepted[j] *= self.decay
+        for j in range(min(n_drafted, n_accepted + 1, self.k_max)):
+            self._reached[j] += 1.0  # draft j+1 was examined: every earlier one survived
+        for j in range(min(n_accepted, self.k_max)):
+            self._accepted[j] += 1.0
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    """Exponential moving average; the first observation is taken as is."""
+    return new if old is None else (1 - weight) * old + weight * new

@@ -1,0 +1,85 @@
+"""The k chooser: off when speculation cannot pay, long drafts when acceptance is high."""
+
+from __future__ import annotations
+
+from app.adaptive import KController
+
+FLAT = {n: 0.10 for n in range(1, 10)}  # verification as cheap as one token (memory bound)
+STEEP = {n: 0.10 * n for n in range(1, 10)}  # every extra row costs a full forward
+
+
+def feed(controller: KController, steps: int, n_drafted: int, n_accepted: int,
+         draft_s: float) -> None:
+    for _ in range(steps):
+        controller.observe(n_drafted, n_accepted, draft_s, controller.verify_cost(n_drafted + 1),
+                           0.0)
+
+
+def test_high_acceptance_on_a_flat_cost_curve_picks_a_long_draft():
+    controller = KController(k_max=8)
+    controller.seed_costs(FLAT)
+    feed(controller, 40, n_drafted=8, n_accepted=8, draft_s=0.0)
+    assert controller.choose() == 8
+
+
+def test_a_steep_cost_curve_turns_speculation_off():
+    controller = KController(k_max=8)
+    controller.seed_costs(STEEP)
+    feed(controller, 40, n_drafted=4, n_accepted=2, draft_s=0.0)
+    assert controller.choose() == 0
+
+
+def test_expensive_drafting_with_low_acceptance_turns_speculation_off():
+    controller = KController(k_max=8)
+    controller.seed_costs(FLAT)
+    feed(controller, 40, n_drafted=4, n_accepted=0, draft_s=4 * 0.05)
+    assert controller.choose() == 0
+
+
+def test_moderate_acceptance_with_a_costly_drafter_picks_a_short_draft():
+    controller = KController(k_max=8)
+    controller.seed_costs({1: 0.10, 2: 0.11, 3: 0.12, 5: 0.14, 9: 0.18})
+    feed(controller, 60, n_drafted=3, n_accepted=2, draft_s=3 * 0.03)
+    assert 1 <= controller.choose() <= 4
+
+
+def test_while_off_it_explores_again_now_and_then():
+    controller = KController(k_max=4, explore_every=5)
+    controller.seed_costs(STEEP)
+    feed(controller, 40, n_drafted=4, n_accepted=0, draft_s=0.0)
+    choices = [controller.choose() for _ in range(10)]
+    assert choices.count(0) == 8 and all(c > 0 for c in choices[4::5])
+
+
+def test_acceptance_estimates_are_conditional_per_position():
+    controller = KController(k_max=3, prior_weight=1e-9, decay=1.0)
+    for accepted in (0, 1, 3, 3):
+        controller.observe(3, accepted, 0.0, 0.1, 0.0)
+    a1, a2, a3 = controller.acceptance()
+    assert abs(a1 - 3 / 4) < 1e-6  # 4 steps reached position 1, 3 accepted it
+    assert abs(a2 - 2 / 3) < 1e-6  # 3 reached position 2, 2 accepted it
+    assert abs(a3 - 2 / 2) < 1e-6
+
+
+def test_unmeasured_verify_sizes_are_interpolated():
+    controller = KController()
+    controller.seed_costs({1: 1.0, 5: 2.0})
+    assert controller.verify_cost(3) == 1.5
+    assert controller.verify_cost(9) == 3.0
+
+
+def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
+    from app.engine import SpecEngine
+    from app.ngram import NgramDrafter
+    from app.types import SamplingParams
+    from backends.torch_drafters import DraftModelDrafter
+
+    prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9]
+    params = SamplingParams(max_new_tokens=40)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    for drafter in (NgramDrafter(), DraftModelDrafter(target, unrelated),
+                    DraftModelDrafter(target, target)):
+        engine = SpecEngine(target, drafter, k="auto")
+        done = list(engine.generate(prompt, params))[-1]
+        assert done.token_ids == plain.token_ids, drafter.name
+        assert engine.controller.verify_s, "the verify cost curve was probed"

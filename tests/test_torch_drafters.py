@@ -1,0 +1,36 @@
+"""DraftModelDrafter: its cache follows the context; unsure drafts are cut short."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.engine import SpecEngine
+from app.types import SamplingParams
+from backends.torch_drafters import DraftModelDrafter
+
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
+
+
+def test_a_confidence_floor_shortens_drafts_and_keeps_the_output(target, unrelated):
+    params = SamplingParams(max_new_tokens=30)
+    free = list(SpecEngine(target, DraftModelDrafter(target, unrelated), k=6)
+                .generate(PROMPT, params))[-1]
+    cautious = list(SpecEngine(target, DraftModelDrafter(target, unrelated, min_confidence=0.9),
+                               k=6).generate(PROMPT, params))[-1]
+    assert cautious.token_ids == free.token_ids
+    assert cautious.stats.drafted < free.stats.drafted
+    # one draft token at least per step, but for the last step, which the token limit leaves empty
+    assert cautious.stats.drafted >= cautious.stats.target_forwards - 1
+
+
+def test_drafter_cache_catches_up_after_full_acceptance(target):
+    drafter = DraftModelDrafter(target, target)
+    drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
+    first = drafter.propose(PROMPT, 3)
+    # every draft accepted, then a bonus token: the cache holds PROMPT + d1 + d2, not d3
+    context = PROMPT + list(first.tokens) + [7]
+    second = drafter.propose(context, 2)
+    fresh = DraftModelDrafter(target, target)
+    fresh.begin(context, None, SamplingParams(), np.random.default_rng(0))
+    assert second.tokens == fresh.propose(context, 2).tokens
+    assert drafter._session.length == len(context) + 1  # context plus the first new draft token

@@ -1,0 +1,203 @@
+"""The remote adapter drives an OpenAI-compatible engine and reports runs like a local engine.
+
+End to end: a second `specdeck serve` process (the tiny model drafting for itself, so every
+greedy draft is accepted) is the engine. Wire formats of llama-server and vLLM are replayed
+from captured shapes through httpx's MockTransport: no such server runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.types import Done, SamplingParams, SpecdeckError, Step
+from backends.remote_backend import RemoteEngine, connect
+from tests.serving import save_tiny_model, specdeck_serve
+
+PROMPT = "w5 w9 w12 w5 w9"
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny"))
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    args = ["--target", str(folder), "--drafter", "draft", "--draft", str(folder), "--k", "3"]
+    with specdeck_serve(args, log) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def remote(base_url: str):
+    engine = connect(base_url)
+    yield engine
+    engine.close()
+
+
+def run(events) -> tuple[list[Step], Done]:
+    *steps, done = list(events)
+    assert isinstance(done, Done) and all(isinstance(s, Step) for s in steps)
+    return steps, done
+
+
+def test_adapter_finds_the_served_model_its_drafter_and_k(remote: RemoteEngine) -> None:
+    assert remote.kind == "specdeck"
+    assert remote.drafter_name == "draft" and remote.k == 3
+    assert remote.target.context_length == 4096
+
+
+def test_streamed_steps_add_up_to_the_server_reply_with_its_statistics(
+        remote: RemoteEngine, base_url: str) -> None:
+    steps, done = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=30)))
+    whole = httpx.post(base_url + "/completions", json={
+        "prompt": PROMPT, "max_tokens": 30, "temperature": 0}).json()
+    spec = whole["speculative"]
+    assert done.error is None and done.stop_reason == "length"
+    assert "".join(s.text for s in steps) == done.text == whole["choices"][0]["text"]
+    assert list(done.token_ids) == whole["choices"][0]["token_ids"]
+    stats = done.stats
+    assert stats.n_new_tokens == 30
+    assert stats.drafted == spec["num_draft_tokens"] == stats.accepted > 0  # self-drafting
+    assert stats.target_forwards == spec["num_spec_steps"]
+    assert stats.accepted_per_position == tuple(spec["accepted_per_position"])
+    assert stats.mean_accepted_length == pytest.approx(spec["mean_acceptance_length"])
+    assert stats.acceptance_rate == 1.0 and stats.decode_tok_s > 0
+    assert sum(done.from_draft) == stats.accepted
+
+
+def test_chat_goes_through_the_servers_chat_template(remote: RemoteEngine,
+                                                     base_url: str) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    _, done = run(remote.chat(messages, SamplingParams(max_new_tokens=12)))
+    whole = httpx.post(base_url + "/chat/completions", json={
+        "messages": messages, "max_tokens": 12, "temperature": 0}).json()
+    assert done.text == whole["choices"][0]["message"]["content"]
+    assert done.stats.n_prompt_tokens == whole["usage"]["prompt_tokens"]
+
+
+def test_per_request_drafter_none_decodes_plainly_to_the_same_text(
+        remote: RemoteEngine, base_url: str) -> None:
+    plain = connect(base_url, drafter="none")
+    try:
+        _, done = run(plain.generate(PROMPT, SamplingParams(max_new_tokens=20)))
+    finally:
+        plain.close()
+    _, reference = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=20)))
+    assert done.text == reference.text
+    assert done.stats.drafted == 0 and done.stats.mean_accepted_length == 1.0
+
+
+def test_k_set_between_generations_reaches_the_server(remote: RemoteEngine) -> None:
+    remote.k = 1
+    try:
+        _, done = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=12)))
+    finally:
+        remote.k = 3
+    assert len(done.stats.drafted_per_position) == 1
+    assert 0 < done.stats.drafted <= done.stats.target_forwards  # at most one per step
+
+
+def test_stop_string_is_reported_as_such(remote: RemoteEngine) -> None:
+    _, full = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=10)))
+    stop = full.text.split()[3]
+    _, cut = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=10, stop=(stop,))))
+    assert cut.stop_reason == "stop_string"
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_cancel_stops_the_remote_generation(remote: RemoteEngine, base_url: str) -> None:
+    cancel = threading.Event()
+    events = remote.generate(PROMPT, SamplingParams(max_new_tokens=4000), cancel=cancel)
+    first = next(events)
+    assert isinstance(first, Step)
+    cancel.set()
+    *_, done = list(events)
+    assert done.stop_reason == "cancelled"
+    assert done.stats.n_new_tokens < 4000
+    _, after = run(remote.generate(PROMPT, SamplingParams(max_new_tokens=5)))
+    assert after.error is None  # the server's engine took the next request normally
+
+
+def test_refusals_become_specdeck_errors_naming_the_fix(base_url: str) -> None:
+    with pytest.raises(SpecdeckError, match="does not serve 'gpt-4o'; it serves: tiny"):
+        connect(base_url, model="gpt-4o")
+    with pytest.raises(SpecdeckError, match="cannot reach"):
+        connect("http://127.0.0.1:9/v1")
+    greedy_k = connect(base_url, k=99)
+    with pytest.raises(SpecdeckError, match="refused the request \\(400\\): k:"):
+        list(greedy_k.generate(PROMPT, SamplingParams(max_new_tokens=5)))
+    greedy_k.close()
+
+
+# ---- other engines' wire formats -----------------------------------------------------------
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + \
+        b"data: [DONE]\n\n"
+
+
+def test_llama_server_timings_fill_the_run_stats() -> None:
+    # the final chunk of a llama-server chat stream (choices empty, usage and timings)
+    final = {"choices": [], "created": 1779349198, "id": "chatcmpl-x", "model": "q.gguf",
+             "object": "chat.completion.chunk",
+             "usage": {"completion_tokens": 665, "prompt_tokens": 808, "total_tokens": 1473,
+                       "prompt_tokens_details": {"cached_tokens": 804}},
+             "timings": {"cache_n": 804, "prompt_n": 4, "prompt_ms": 128.301,
+                         "predicted_n": 665, "predicted_ms": 20629.211,
+                         "predicted_per_second": 32.2358, "draft_n": 604,
+                         "draft_n_accepted": 515}}
+    text = {"choices": [{"index": 0, "delta": {"content": "def"}, "finish_reason": None}],
+            "object": "chat.completion.chunk"}
+    stop = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "object": "chat.completion.chunk"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "q.gguf", "object": "model", "owned_by": "llamacpp"}]})
+        assert json.loads(request.content)["stream_options"] == {"include_usage": True}
+        return httpx.Response(200, content=_sse(text, stop, final))
+
+    engine = RemoteEngine("http://llama:8080", transport=httpx.MockTransport(handler))
+    assert engine.kind == "llama.cpp"
+    _, done = run(engine.chat([{"role": "user", "content": "hi"}], SamplingParams()))
+    s = done.stats
+    assert (done.text, done.stop_reason) == ("def", "eos")
+    assert (s.drafted, s.accepted, s.n_new_tokens) == (604, 515, 665)
+    assert (s.n_prompt_tokens, s.n_cached_prompt_tokens) == (808, 804)
+    assert s.target_forwards == 665 - 1 - 515
+    assert s.decode_s == pytest.approx(20.629211)
+    assert s.acceptance_rate == pytest.approx(515 / 604)
+
+
+def test_vllm_counters_before_and_after_fill_the_run_stats() -> None:
+    pages = [(FIXTURES / name).read_text() for name in ("vllm_before.prom", "vllm_after.prom")]
+    body = {"prompt": None}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "object": "model",
+                 "owned_by": "vllm", "max_model_len": 32768}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=pages.pop(0))
+        body["prompt"] = json.loads(request.content)["prompt"]
+        chunk = {"object": "text_completion", "choices": [
+            {"index": 0, "text": "x = 1", "finish_reason": "length", "stop_reason": None}]}
+        usage = {"object": "text_completion", "choices": [],
+                 "usage": {"prompt_tokens": 53, "completion_tokens": 111, "total_tokens": 164}}
+        return httpx.Response(200, content=_sse(chunk, usage))
+
+    engine = RemoteEngine("http://gpu-box:8000/v1", transport=httpx.MockTransport(handler))
+    assert engine.kind == "vllm" and engine.target.context_length == 32768
+    _, done = run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=111)))
+    s = done.stats
+    assert body["prompt"] == [1, 2, 3]
+    assert done.stop_reason == "length" and pages == []
+    assert (s.drafted, s.accepted, s.target_forwards) == (120, 80, 30)
+    assert s.accepted_per_position == (26, 22, 19, 13)
+    assert s.mean_accepted_length == pytest.approx(1 + 80 / 30)  # vLLM's own formula

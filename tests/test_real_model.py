@@ -31,3 +31,14 @@ def test_ngram_and_self_draft_produce_exactly_the_plain_tokens(smollm2_gguf, cap
     assert draft["token_ids"] == plain["token_ids"]
     assert draft["acceptance_rate"] == 1.0
     assert draft["mean_accepted_length"] > 3.0
+
+
+def test_bf16_on_cpu_keeps_speculative_output_equal_to_plain(smollm2_gguf, capsys):
+    # padded forwards (backends/torch_backend.py) give bf16 the same numerics for any row count
+    plain = run_json(capsys, smollm2_gguf, "--drafter", "none", "--dtype", "bfloat16")
+    draft = run_json(capsys, smollm2_gguf, "--drafter", "draft", "--draft", str(smollm2_gguf),
+                     "--k", "5", "--dtype", "bfloat16")
+    ngram = run_json(capsys, smollm2_gguf, "--drafter", "ngram", "--k", "auto",
+                     "--dtype", "bfloat16")
+    assert plain["dtype"] == "bfloat16"
+    assert draft["token_ids"] == plain["token_ids"] == ngram["token_ids"]

@@ -34,3 +34,22 @@ def test_drafter_cache_catches_up_after_full_acceptance(target):
     fresh.begin(context, None, SamplingParams(), np.random.default_rng(0))
     assert second.tokens == fresh.propose(context, 2).tokens
     assert drafter._session.length == len(context) + 1  # context plus the first new draft token
+
+
+def test_padded_forwards_match_batched_rows_bit_for_bit_in_bf16():
+    import torch
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=1)
+    model.hf.to(torch.bfloat16)
+    model.min_rows = 4
+    session = model.start()
+    session.forward(PROMPT, n_logits=1)
+    batched = session.forward([3, 4, 5, 6, 7], n_logits=5).host_logits()
+    session.rewind(len(PROMPT))
+    for n in (1, 2, 3):
+        rows = session.forward([3, 4, 5, 6, 7][:n], n_logits=n).host_logits()
+        assert session.length == len(PROMPT) + n, "padding rows never stay in the cache"
+        assert (rows == batched[:n]).all()
+        session.rewind(len(PROMPT))

@@ -1,4 +1,7 @@
-"""The engine is lossless: speculative greedy output equals a naive no-cache greedy oracle."""
+"""The engine is lossless: speculative greedy output equals a naive no-cache greedy oracle.
+
+Every test runs on each backend (torch, mlx) with the same tiny random fp32 weights.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +9,51 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import torch
 
 from app.engine import SpecEngine
 from app.ngram import NgramDrafter
 from app.types import Done, Draft, SamplingParams, Step
-from backends.torch_drafters import DraftModelDrafter
+from backends import load_backend
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 KS = [1, 2, 4, 7]
+BACKENDS = ["torch", "mlx"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    if request.param == "mlx":
+        pytest.importorskip("mlx_lm")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(target, backend, request):
+    """conftest's torch target, or its MLX twin (same weights)."""
+    return target if backend == "torch" else request.getfixturevalue("mlx_target")
+
+
+@pytest.fixture(scope="module")
+def unrelated(unrelated, backend, request):
+    return unrelated if backend == "torch" else request.getfixturevalue("mlx_unrelated")
+
+
+@pytest.fixture(scope="module")
+def draft_drafter(backend):
+    """The backend's DraftModelDrafter factory: draft_drafter(target, draft)."""
+    return load_backend(backend).draft_model_drafter
 
 
 def oracle(model, prompt: Sequence[int], n: int, eos: frozenset[int] = frozenset()) -> list[int]:
-    """Naive greedy: the full sequence through the model at every step, no cache."""
+    """Naive greedy: the full sequence through a fresh session at every step, no cache reuse."""
     ids = list(prompt)
     out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            token = int(model.hf(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(token)
-            ids.append(token)
-            if token in eos:
-                break
+    for _ in range(n):
+        token = model.start().forward(ids, n_logits=1).argmax[-1]
+        out.append(token)
+        ids.append(token)
+        if token in eos:
+            break
     return out
 
 
@@ -63,9 +89,9 @@ class ScriptedDrafter:
 
 
 @pytest.mark.parametrize("k", KS)
-def test_target_as_its_own_drafter_accepts_every_token(target, k):
+def test_target_as_its_own_drafter_accepts_every_token(target, k, draft_drafter):
     expected = oracle(target, PROMPT, 24)
-    done = run(SpecEngine(target, DraftModelDrafter(target, target), k=k), PROMPT,
+    done = run(SpecEngine(target, draft_drafter(target, target), k=k), PROMPT,
                max_new_tokens=24)
     assert list(done.token_ids) == expected
     assert done.stats.accepted == done.stats.drafted > 0
@@ -73,9 +99,9 @@ def test_target_as_its_own_drafter_accepts_every_token(target, k):
 
 
 @pytest.mark.parametrize("k", KS)
-def test_unrelated_draft_model_keeps_the_oracle_output(target, unrelated, k):
+def test_unrelated_draft_model_keeps_the_oracle_output(target, unrelated, k, draft_drafter):
     expected = oracle(target, PROMPT, 24)
-    done = run(SpecEngine(target, DraftModelDrafter(target, unrelated), k=k), PROMPT,
+    done = run(SpecEngine(target, draft_drafter(target, unrelated), k=k), PROMPT,
                max_new_tokens=24)
     assert list(done.token_ids) == expected
     assert done.stats.drafted > 0
@@ -90,7 +116,8 @@ def test_ngram_drafter_keeps_the_oracle_output(target, k):
 
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("every", [2, 3, 5])
-def test_scripted_drafter_with_corrupted_positions_accepts_exactly_the_true_prefix(target, k, every):
+def test_scripted_drafter_with_corrupted_positions_accepts_exactly_the_true_prefix(
+        target, k, every):
     expected = oracle(target, PROMPT, 24)
     drafter = ScriptedDrafter(PROMPT + expected, every, target.vocab_size)
     done = run(SpecEngine(target, drafter, k=k), PROMPT, max_new_tokens=24)
@@ -146,8 +173,8 @@ def test_plain_decoding_is_one_token_per_forward(target):
     assert done.stats.target_forwards == 11
 
 
-def test_cache_holds_committed_tokens_minus_the_pending_one(target, unrelated):
-    engine = SpecEngine(target, DraftModelDrafter(target, unrelated), k=4)
+def test_cache_holds_committed_tokens_minus_the_pending_one(target, unrelated, draft_drafter):
+    engine = SpecEngine(target, draft_drafter(target, unrelated), k=4)
     done = run(engine, PROMPT, max_new_tokens=13)
     assert engine.session.length == len(PROMPT) + len(done.token_ids) - 1
 
@@ -195,10 +222,10 @@ def test_cancel_event_stops_with_reason_cancelled(target):
     assert engine.session.length == len(PROMPT) + len(events[-1].token_ids) - 1
 
 
-def test_sampled_generation_is_reproducible_with_a_seed(target, unrelated):
+def test_sampled_generation_is_reproducible_with_a_seed(target, unrelated, draft_drafter):
     params = dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16)
-    a = run(SpecEngine(target, DraftModelDrafter(target, unrelated), k=3), PROMPT, **params)
-    b = run(SpecEngine(target, DraftModelDrafter(target, unrelated), k=3), PROMPT, **params)
+    a = run(SpecEngine(target, draft_drafter(target, unrelated), k=3), PROMPT, **params)
+    b = run(SpecEngine(target, draft_drafter(target, unrelated), k=3), PROMPT, **params)
     assert a.token_ids == b.token_ids
 
 

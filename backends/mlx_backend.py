@@ -1,0 +1,307 @@
+"""MLX + mlx-lm adapter: load a target, run forwards on an mlx-lm prompt cache, trim it back.
+
+Knows: mlx-lm's model loading (HF-format folders: mlx-community repos, quantized or not, and
+the safetensors folder the torch backend converts a GGUF into), its cache classes and their
+trim contract, MLX devices, dtypes and memory counters, layer hooks for hidden-state capture.
+Must not know: drafting or verification rules (app/), sampling (app/sampling.py turns the
+host logits of both backends into probabilities, so plain and speculative decoding share one
+pipeline on MLX too; mlx-lm's own sampler, which filters before temperature, is not used).
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.utils import load_config, load_model
+from transformers import AutoTokenizer
+
+from app.types import SpecdeckError
+from backends.base import Capabilities, TargetOutput
+
+CONVERTED_SUFFIX = ".specdeck-hf"  # the folder torch_backend.convert_gguf writes next to a .gguf
+PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
+_DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
+           "bf16": mx.bfloat16, "float16": mx.float16, "fp16": mx.float16}
+_GPU_NAMES = ("gpu", "metal", "mps", "cuda")
+
+
+def resolve_device(device: str) -> mx.Device:
+    """auto: MLX's GPU (Metal on Apple silicon) when this build has one, else the CPU."""
+    if device == "auto":
+        return mx.gpu if mx.is_available(mx.gpu) else mx.cpu
+    if device == "cpu":
+        return mx.cpu
+    if device in _GPU_NAMES:
+        if not mx.is_available(mx.gpu):
+            raise SpecdeckError(f"--device {device} was asked for but this MLX build has no GPU "
+                                "(the Linux mlx[cpu] build is CPU-only); use --device cpu")
+        return mx.gpu
+    raise SpecdeckError(f"unknown device {device!r} for MLX: use auto, cpu or gpu")
+
+
+def resolve_dtype(dtype: str, device: mx.Device, stored: mx.Dtype) -> mx.Dtype:
+    """auto: float32 on CPU (exact greedy parity); on GPU the checkpoint's half type or bf16."""
+    if dtype == "auto":
+        if device == mx.cpu:
+            return mx.float32
+        return stored if stored in (mx.float16, mx.bfloat16) else mx.bfloat16
+    if dtype not in _DTYPES:
+        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+class MlxSession:
+    """One mlx-lm prompt cache; forward appends, rewind trims to an absolute length."""
+
+    def __init__(self, model: MlxModel, capture_layers: Sequence[int]) -> None:
+        self._model = model
+        self._cache = make_prompt_cache(model.net)
+        self._capture = tuple(capture_layers)
+        for i in self._capture:
+            _hook(model.net.layers[i], i)
+
+    @property
+    def length(self) -> int:
+        return int(self._cache[0].offset)
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
+        with self._recording() as captured:
+            logits = self.logits(list(token_ids), n_logits)  # [n_logits, vocab]
+        hidden = {i: mx.concatenate(rows, axis=0) for i, rows in captured.items()}
+        argmax = mx.argmax(logits, axis=-1)
+        mx.eval(argmax, logits, *hidden.values())
+        return TargetOutput(argmax=tuple(argmax.tolist()),
+                            logits_fn=lambda: np.array(logits.astype(mx.float32)),
+                            hidden_states=hidden)
+
+    def logits(self, token_ids: Sequence[int] | mx.array, n_logits: int = 1) -> mx.array:
+        """Append token_ids; lazy logits [n_logits, vocab] of the last inputs, on the device.
+
+        Rows before the last n_logits go through the model without the output layer ever
+        running: MLX computes only what is evaluated, and only the cache state is.
+        """
+        ids = token_ids if isinstance(token_ids, mx.array) else mx.array(list(token_ids))
+        n = min(max(n_logits, 1), ids.size)
+        head, tail = ids[:ids.size - n], ids[ids.size - n:]
+        with mx.stream(self._model.stream):
+            for start in range(0, head.size, PREFILL_CHUNK):
+                self._model.net(head[None, start:start + PREFILL_CHUNK], cache=self._cache)
+                mx.eval([c.state for c in self._cache])
+            return self._model.net(tail[None], cache=self._cache)[0]
+
+    def rewind(self, length: int) -> None:
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        # per layer: a forward interrupted by an exception can leave layers of unequal length
+        for cache in self._cache:
+            extra = cache.offset - length
+            if extra > 0:
+                cache.trim(extra)
+
+    @contextmanager
+    def _recording(self) -> Iterator[dict[int, list[mx.array]]]:
+        """Point this session's hooked layers at a fresh store for the calls inside."""
+        captured: dict[int, list[mx.array]] = {i: [] for i in self._capture}
+        layers = [self._model.net.layers[i] for i in self._capture]
+        for layer in layers:
+            layer._specdeck_sink = captured[layer._specdeck_index].append
+        try:
+            yield captured
+        finally:
+            for layer in layers:
+                layer._specdeck_sink = None
+
+
+class MlxModel:
+    """A loaded mlx-lm model and its tokenizer."""
+
+    def __init__(self, net: Any, tokenizer: Any, config: dict[str, Any], name: str,
+                 device: mx.Device) -> None:
+        self.net = net
+        self.tokenizer = tokenizer
+        self.name = name
+        self.stream = device
+        self.device = "cpu" if device == mx.cpu else "gpu"
+        text = config.get("text_config", {}) | config
+        self.context_length = int(text.get("max_position_embeddings") or 4096)
+        self.eos_token_ids = _eos_ids(text.get("eos_token_id"), tokenizer)
+        self.n_layers = len(net.layers)
+        self.dtype = _describe_dtype(net, config)
+        self.capabilities = Capabilities(rewind=True, hidden_states=True)
+        self.vocab_size = int(self.start().logits([0]).shape[-1])  # rows of the output layer
+
+    def start(self, capture_layers: Sequence[int] = ()) -> MlxSession:
+        bad = [i for i in capture_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")
+        return MlxSession(self, capture_layers)
+
+    def weights_bytes(self) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(self.net.parameters()))
+
+    def peak_memory_bytes(self) -> int:
+        """MLX's own peak (Metal or CPU allocations); the process RSS peak if it has none."""
+        peak = int(_memory("get_peak_memory"))
+        return peak or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def active_memory_bytes(self) -> int:
+        return int(_memory("get_active_memory"))
+
+
+class MlxBackend:
+    """Loads HF-format folders (and the converted copy of a .gguf); builds the drafter."""
+
+    name = "mlx"
+
+    def load(self, path: str, device: str = "auto", dtype: str = "auto") -> MlxModel:
+        stream = resolve_device(device)
+        folder = _hf_folder(Path(path))
+        config = load_config(folder)
+        try:
+            with mx.stream(stream):
+                net, config = load_model(folder, model_config=_config_fixes(config))
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, RuntimeError) as error:  # mx.load: RuntimeError
+            raise SpecdeckError(f"could not load a model from {path} with MLX: {error}. Check "
+                                "that the folder holds config.json, *.safetensors weights and "
+                                "tokenizer files, or use --backend torch") from error
+        _refuse_untrimmable(net, _display_name(Path(path)))
+        net.set_dtype(resolve_dtype(dtype, stream, _stored_dtype(net)))
+        mx.eval(net.parameters())
+        return MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
+
+    def draft_model_drafter(self, target: MlxModel, draft: MlxModel) -> Any:
+        from backends.mlx_drafters import DraftModelDrafter
+        return DraftModelDrafter(target, draft)
+
+
+def _hf_folder(path: Path) -> Path:
+    """An HF-format folder for path: itself, or the safetensors copy of a .gguf file."""
+    if not path.exists():
+        raise SpecdeckError(f"model not found: {path}. Give an HF model folder (e.g. an "
+                            "mlx-community repo) or a .gguf file, or download a pair with "
+                            "`specdeck pull`")
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        raise SpecdeckError(f"{path} is neither a folder nor a .gguf file")
+    converted = path.with_name(path.name + CONVERTED_SUFFIX)
+    if not (converted / "config.json").exists():
+        _convert_with_torch(path, converted)
+    return converted
+
+
+def _convert_with_torch(gguf: Path, dest: Path) -> None:
+    # MLX cannot read k-quant GGUF blocks; the torch backend dequantizes them once
+    try:
+        from backends.torch_backend import convert_gguf
+    except ImportError as error:
+        raise SpecdeckError(f"{gguf.name} must be converted to safetensors once, which needs "
+                            "the torch extra: pip install 'specdeck[torch]', then run again "
+                            "(later MLX loads use the converted folder)") from error
+    convert_gguf(gguf, dest)
+
+
+def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters.
+
+    Without them mlx-lm silently falls back to its default rope_theta (10000 for llama,
+    where SmolLM2 needs 100000) and produces wrong logits.
+    """
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in config:
+        return {}
+    fixes: dict[str, Any] = {}
+    if "rope_theta" in rope:
+        fixes["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+        fixes["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return fixes
+
+
+def _refuse_untrimmable(net: Any, name: str) -> None:
+    """Speculative decoding and prompt reuse cut the cache back; refuse caches that cannot be."""
+    bad = sorted({type(c).__name__ for c in make_prompt_cache(net) if not _trimmable(c)})
+    if bad:
+        raise SpecdeckError(
+            f"{name} keeps a cache that cannot be cut back to an earlier length ({', '.join(bad)}"
+            "): speculative decoding and prompt reuse need that. Recurrent or sliding-window "
+            "layers are not supported on MLX yet; use --backend torch or an attention-only model")
+
+
+def _trimmable(cache: Any) -> bool:
+    # a rotating (sliding-window) cache stops being trimmable once its window fills, mid-chat
+    return (cache.is_trimmable() and hasattr(cache, "offset")
+            and not isinstance(cache, RotatingKVCache))
+
+
+def _hook(layer: Any, index: int) -> None:
+    """Make layer hand its output to its `_specdeck_sink` when one is set (idempotent).
+
+    The instance's class is swapped for a subclass, so parameter paths and attributes stay
+    those mlx-lm knows, and the layer list (a copy on some models) needs no editing.
+    """
+    if not getattr(type(layer), "_specdeck_hooked", False):
+        layer.__class__ = _hooked_class(type(layer))
+    layer._specdeck_index = index
+    layer._specdeck_sink = None
+
+
+_HOOKED: dict[type, type] = {}
+
+
+def _hooked_class(cls: type) -> type:
+    if cls not in _HOOKED:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = cls.__call__(self, *args, **kwargs)
+            sink: Callable[[mx.array], None] | None = self._specdeck_sink
+            if sink is not None:
+                sink((out[0] if isinstance(out, tuple) else out)[0])  # [rows, hidden]
+            return out
+        _HOOKED[cls] = type(f"Hooked{cls.__name__}", (cls,),
+                            {"__call__": call, "_specdeck_hooked": True})
+    return _HOOKED[cls]
+
+
+def _stored_dtype(net: Any) -> mx.Dtype:
+    """The floating dtype holding most of the weights (quantized packs are integers)."""
+    sizes: dict[mx.Dtype, int] = {}
+    for _, value in tree_flatten(net.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            sizes[value.dtype] = sizes.get(value.dtype, 0) + value.size
+    return max(sizes, key=sizes.get) if sizes else mx.float32
+
+
+def _describe_dtype(net: Any, config: dict[str, Any]) -> str:
+    name = str(_stored_dtype(net)).removeprefix("mlx.core.")
+    bits = (config.get("quantization") or {}).get("bits")
+    return f"{bits}-bit/{name}" if bits else name
+
+
+def _eos_ids(config_eos: Any, tokenizer: Any) -> frozenset[int]:
+    """Every end-of-sequence id the config (generation_config included) and tokenizer declare."""
+    ids: set[int] = set()
+    for source in (config_eos, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def _memory(counter: str) -> int:
+    # mlx >= 0.24 has top-level counters; older releases keep them under mx.metal
+    fn = getattr(mx, counter, None) or getattr(mx.metal, counter)
+    return fn()
+
+
+def _display_name(path: Path) -> str:
+    return path.name.removesuffix(".gguf") or str(path)

@@ -45,7 +45,8 @@ def load_engine(args: Any) -> Loaded:
     elif drafter_kind == "ngram":
         drafter, name = NgramDrafter(), "ngram"
     else:
-        draft = backend.load(draft_path, device=args.device, dtype=args.dtype)
+        draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
+        draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
         drafter, name = backend.draft_model_drafter(target, draft), "draft"
     engine = SpecEngine(target, drafter, k=args.k)
     return Loaded(engine=engine, drafter_name=name, backend_name=backend.name, notes=notes)

@@ -85,7 +85,10 @@ class Model(Protocol):
     device: str
     dtype: str
 
-    def start(self, capture_layers: Sequence[int] = ()) -> Session: ...
+    def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> Session:
+        """A new session. exact=False lets a drafter skip whatever keeps the target's numerics
+        independent of the row count (it costs time, and drafts need no exactness)."""
+        ...
 
     def weights_bytes(self) -> int: ...
 

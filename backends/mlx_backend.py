@@ -138,7 +138,7 @@ class MlxModel:
         self.capabilities = Capabilities(rewind=True, hidden_states=True)
         self.vocab_size = int(self.start().logits([0]).shape[-1])  # rows of the output layer
 
-    def start(self, capture_layers: Sequence[int] = ()) -> MlxSession:
+    def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> MlxSession:
         bad = [i for i in capture_layers if not 0 <= i < self.n_layers]
         if bad:
             raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")

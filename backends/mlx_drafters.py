@@ -31,7 +31,7 @@ class DraftModelDrafter:
         self.name = "draft"
         self.model = draft
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
-        self._session = draft.start()
+        self._session = draft.start(exact=False)
         self._cached: list[int] = []
         self._params = SamplingParams()
         self._rng = np.random.default_rng()

@@ -24,8 +24,10 @@ from transformers.utils import logging as hf_logging
 from app.types import SpecdeckError
 from backends.base import Capabilities, TargetOutput
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# int8: weight-only int8 (per output channel) with bf16 activations, for drafters on CPU
+_DTYPES = {"int8": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16}
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 # CPU kernels pick their path by row count: measured on Qwen2.5 (bf16 and fp32), logits of a
 # forward over n >= 4 new tokens are bit-identical whatever n is, while 1-3 rows take other
@@ -49,16 +51,17 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in _DTYPES:
-        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16 "
+                            "or int8")
     return _DTYPES[dtype]
 
 
 class TorchSession:
     """One DynamicCache; forward appends, rewind crops to an absolute length."""
 
-    def __init__(self, model: TorchModel, capture_layers: Sequence[int]) -> None:
+    def __init__(self, model: TorchModel, capture_layers: Sequence[int], exact: bool) -> None:
         self._model = model
-        self.min_rows = model.min_rows
+        self.min_rows = model.min_rows if exact else 1
         self._cache = DynamicCache(config=model.hf.config)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [self._hook(i) for i in capture_layers]
@@ -109,7 +112,8 @@ class TorchModel:
         self.device = device
         self.dtype = str(hf.dtype).removeprefix("torch.")
         config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
+        head = hf.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "weight", getattr(head, "weight_int8", None)).shape[0])
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.layers = hf.model.layers
@@ -122,14 +126,16 @@ class TorchModel:
         low_precision = hf.dtype in (torch.bfloat16, torch.float16)
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
 
-    def start(self, capture_layers: Sequence[int] = ()) -> TorchSession:
+    def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> TorchSession:
+        """A new session; exact=False (drafters) skips the padding that fixes numerics."""
         bad = [i for i in capture_layers if not 0 <= i < self.n_layers]
         if bad:
             raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")
-        return TorchSession(self, capture_layers)
+        return TorchSession(self, capture_layers, exact)
 
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.hf.parameters())
+        tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
         if self.device.startswith("cuda"):
@@ -154,11 +160,50 @@ class TorchBackend:
             raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
                                 "folder holds config.json, weights and tokenizer files, or "
                                 "re-download it with `specdeck pull`") from error
-        return TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
+        if dtype == "int8":
+            quantize_int8(hf)
+        model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
+        if dtype == "int8":
+            model.dtype = "int8"
+        return model
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel) -> Any:
         from backends.torch_drafters import DraftModelDrafter
         return DraftModelDrafter(target, draft)
+
+
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear layer (per-channel scales, bf16 activations).
+
+    A quarter of fp32's bytes per token: drafting is bound by reading weights, and a
+    drafter's numerics change only its acceptance, never the output.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.register_buffer("weight_int8", torch.round(weight / scales[:, None])
+                             .clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_int8(hf: Any) -> None:
+    """Swap every nn.Linear (the output layer included) for an Int8Linear, in place."""
+    for module in list(hf.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, Int8Linear(child))
+    hf.to(torch.bfloat16)
 
 
 def _hf_folder(path: Path) -> str:

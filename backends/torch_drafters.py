@@ -31,7 +31,7 @@ class DraftModelDrafter:
         # an unsure draft token is likely rejected and would waste the rest of the chain
         self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
-        self._session = draft.start()
+        self._session = draft.start(exact=False)
         self._cached: list[int] = []
         self._params = SamplingParams()
         self._rng = np.random.default_rng()

@@ -53,3 +53,18 @@ def test_padded_forwards_match_batched_rows_bit_for_bit_in_bf16():
         assert session.length == len(PROMPT) + n, "padding rows never stay in the cache"
         assert (rows == batched[:n]).all()
         session.rewind(len(PROMPT))
+
+
+def test_an_int8_drafter_keeps_the_output_and_still_agrees_often(tmp_path, target):
+    from backends.torch_backend import TorchBackend
+    from tests.conftest import save_hf_folder
+
+    folder = save_hf_folder(target, tmp_path / "tiny")
+    draft = TorchBackend().load(str(folder), device="cpu", dtype="int8")
+    assert draft.dtype == "int8" and draft.weights_bytes() < target.weights_bytes() / 2
+    params = SamplingParams(max_new_tokens=30)
+    plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
+    done = list(SpecEngine(target, DraftModelDrafter(target, draft), k=4)
+                .generate(PROMPT, params))[-1]
+    assert done.token_ids == plain.token_ids
+    assert done.stats.acceptance_rate > 0.5

@@ -7,7 +7,7 @@ PAIR ?= qwen2.5-coder-1.5b+0.5b
 # elsewhere any torch >= 2.4 does.
 TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +26,18 @@ run: $(VENV)/.installed
 	$(VENV)/bin/specdeck pull $(PAIR)
 	$(VENV)/bin/specdeck ui --pair $(PAIR)
 
-test: $(VENV)/.installed $(VENV)/.installed-mlx
+test: $(VENV)/.installed $(VENV)/.installed-mlx browser
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
+
+# the browser tests drive Debian's chromium (never `playwright install`): installed once via apt
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing chromium for the browser tests (apt-get)"; \
+	  $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	fi
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check app backends tests

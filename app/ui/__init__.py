@@ -1,0 +1,142 @@
+"""`specdeck ui`: the Gradio app. Chat, Race, Models and Bench tabs over one Workbench.
+
+Knows: the command's flags, the page layout (one module per tab), how the app is launched
+(127.0.0.1 by default, never a public share link, one generation per model through the
+queue). Must not know: array libraries; engines come from the Workbench, events from the
+engine. Tabs: app/ui/chat.py, race.py, models.py, bench.py; event rendering: render.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def add_subcommand(subparsers: Any) -> None:
+    from app.cli import add_model_arguments
+
+    p = subparsers.add_parser("ui", help="open the app: chat, race, models, bench (Gradio)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--pair", help="catalogue pair id to load at start (see `specdeck models`)")
+    add_model_arguments(p)
+    p.set_defaults(handler=_ui, drafter="auto")
+
+
+def _ui(args: argparse.Namespace) -> int:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from app.types import SpecdeckError
+    from app.ui.workbench import Workbench
+
+    started = time.perf_counter()
+    bench = Workbench(args.backend, args.device, args.dtype, default_k=args.k,
+                      draft_dtype=getattr(args, "draft_dtype", None))
+    message = load_at_start(bench, args)
+    loaded_s = time.perf_counter() - started
+    demo = build_app(bench, drafter=args.drafter, start_notice=message)
+    demo.queue(default_concurrency_limit=1)
+    if args.host not in LOCAL_HOSTS:
+        print(f"specdeck: warning: binding {args.host} makes the app reachable from other "
+              "machines, and it has no login", file=sys.stderr)
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, share=False, ssr_mode=False,
+                    inbrowser=False, prevent_thread_lock=True, quiet=True, footer_links=[],
+                    css=read_css(), mcp_server=False)
+    except OSError as error:
+        raise SpecdeckError(f"cannot serve on {args.host}:{args.port} ({error}): pick another "
+                            "port with --port") from error
+    print(f"specdeck: the app is ready at {demo.local_url} ({time.perf_counter() - started:.1f}"
+          f" s after start, {loaded_s:.1f} s of them loading); Ctrl+C stops it", flush=True)
+    try:
+        demo.block_thread()
+    finally:
+        demo.close()
+    return 0
+
+
+def load_at_start(bench: Any, args: argparse.Namespace) -> str:
+    """Load --target/--draft or --pair before the page opens; a problem becomes a notice."""
+    from app.types import SpecdeckError
+    from app.ui.models import load_pair
+
+    if args.pair and args.target:
+        raise SpecdeckError("give either --pair or --target, not both")
+    if args.target and not os.path.exists(args.target) and _is_pair(args.target):
+        args.pair, args.target = args.target, None  # --target may name a catalogue pair
+    try:
+        if args.target:
+            print(f"specdeck: loading {args.target}" + (f" + {args.draft}" if args.draft else ""),
+                  flush=True)
+            bench.load(args.target, args.draft)
+        elif args.pair:
+            print(f"specdeck: loading pair {args.pair}", flush=True)
+            load_pair(bench, args.pair)
+    except SpecdeckError as error:
+        if args.target:
+            raise
+        print(f"specdeck: {error}", file=sys.stderr, flush=True)
+        return str(error)
+    return ""
+
+
+def _is_pair(name: str) -> bool:
+    try:
+        from app.registry import load_catalogue
+        return name in load_catalogue().pairs
+    except Exception:  # noqa: BLE001 - no catalogue: the name is a path that does not exist
+        return False
+
+
+def read_css() -> str:
+    path = ASSETS / "ui.css"
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def model_bar(bench: Any) -> str:
+    """The line under the title: what is loaded, on which device."""
+    if not bench.loaded:
+        return ('<div class="sd-model-bar" data-loaded="false">No model loaded: open '
+                '<b>Models</b> to download and load a pair.</div>')
+    target = bench.target
+    draft = f" + draft {bench.draft.name}" if bench.draft is not None else ""
+    text = (f"{bench.label}: target {target.name}{draft} · {target.device} "
+            f"{target.dtype} · context {target.context_length}")
+    return f'<div class="sd-model-bar" data-loaded="true">{html.escape(text)}</div>'
+
+
+def build_app(bench: Any, drafter: str = "auto", start_notice: str = "") -> Any:
+    """The whole page as gr.Blocks; handlers close over `bench`, no module globals."""
+    import gradio as gr
+
+    from app.ui.bench import build_bench_tab
+    from app.ui.chat import build_chat_tab, notice
+    from app.ui.models import build_models_tab
+    from app.ui.race import build_race_tab
+
+    with gr.Blocks(title="specdeck", analytics_enabled=False) as demo:
+        gr.HTML('<div class="sd-title"><b>specdeck</b> · same output, fewer target forwards: '
+                'lossless speculative decoding on your machine</div>')
+        bar = gr.HTML(model_bar(bench), elem_id="model-bar")
+        gr.HTML(notice(start_notice), elem_id="start-notice")
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+                chat = build_chat_tab(bench, drafter)
+            with gr.Tab("Race", id="race", elem_id="tab-race"):
+                build_race_tab(bench, chat.stop)
+            with gr.Tab("Models", id="models", elem_id="tab-models"):
+                changes = build_models_tab(bench, bar, lambda: model_bar(bench))
+            with gr.Tab("Bench", id="bench", elem_id="tab-bench"):
+                build_bench_tab(bench)
+        for change in changes:
+            change.then(chat.drafter_info, None, chat.drafter_control, queue=False)
+        demo.unload(chat.stop)  # a closed tab stops its generation after the current step
+    return demo

@@ -1,0 +1,307 @@
+"""The Models tab: the pair catalogue, download with progress, load, delete; local files too.
+
+Knows: the catalogue (app.registry), the store's API (list_pairs, pull with a progress
+callback, installed_paths, delete) and the planner's drafter choice with its reasons; how a
+load swaps the Workbench's models. Must not know: array libraries, file formats, sources.
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from app.types import SpecdeckError
+from app.ui.chat import notice
+from app.ui.render import human_bytes
+from app.ui.workbench import Choice, Workbench
+
+COLUMNS = ("pair", "drafter", "k", "status", "download", "on disk", "backends",
+           "context plain / spec", "streams plain / spec")
+FIT_CONTEXT = 4096  # the per-stream context the stream counts assume
+
+
+def _store_backend(bench: Workbench) -> str | None:
+    return None if bench.backend_name == "auto" else bench.backend_name
+
+
+def pair_status(pair_id: str, bench: Workbench) -> Any:
+    from app import store
+
+    rows = store.list_pairs(_store_backend(bench), bench.device, context=FIT_CONTEXT)
+    found = [r for r in rows if r.pair.id == pair_id]
+    if not found:
+        from app.registry import load_catalogue
+        load_catalogue().pair(pair_id)  # raises with the known ids
+    return found[0]
+
+
+def load_pair(bench: Workbench, pair_id: str) -> None:
+    """Load an installed catalogue pair into the Workbench (the caller holds `busy`)."""
+    from app import store
+
+    status = pair_status(pair_id, bench)
+    pair = status.pair
+    if status.note:
+        raise SpecdeckError(f"pair {pair_id} {status.note}: that drafter kind is not built "
+                            "yet; pick another pair")
+    target, draft = store.installed_paths(pair_id, _store_backend(bench))
+    drafter = f" {pair.drafter.id}" if pair.drafter else ""
+    auto = Choice(pair.drafter_kind, f"auto: the pair's drafter, {pair.drafter_kind}{drafter} "
+                                     "(models.yaml)")
+    bench.load(str(target), str(draft) if draft else None, label=pair.name, pair_id=pair.id,
+               auto_kind=auto)
+    if pair.k:
+        bench.default_k = pair.k
+
+
+def catalogue_frame(bench: Workbench) -> pd.DataFrame:
+    """One row per pair: what it is, whether it is here, what it costs, what fits."""
+    from app import store
+
+    rows = []
+    for r in store.list_pairs(_store_backend(bench), bench.device, context=FIT_CONTEXT):
+        p = r.pair
+        drafter = p.drafter_kind  # the drafter's model is named in the pair's card
+        status = r.note or ("installed" if r.installed else "not downloaded")
+        if bench.pair_id == p.id:
+            status += ", loaded"
+        size = human_bytes(r.download_bytes) + ("" if r.download_exact else " (est.)")
+        fit = r.fit
+        if fit is None:
+            context = streams = "—"
+        elif not fit.target_fits:
+            context, streams = "does not fit", "0 / 0"
+        else:
+            context = f"{fit.max_context_plain} / {fit.max_context_spec}"
+            streams = f"{fit.streams_plain} / {fit.streams_spec}"
+        rows.append((p.id, drafter, str(p.k), status, size,
+                     human_bytes(r.disk_bytes) if r.disk_bytes else "—",
+                     ", ".join(p.backends), context, streams))
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def pair_details(bench: Workbench, pair_id: str | None) -> str:
+    """A pair's card: what it is, its status, and the planner's drafter choice with reasons."""
+    if not pair_id:
+        return ""
+    from app import planner, store
+
+    try:
+        status = pair_status(pair_id, bench)
+        backend = status.backend
+        plan = planner.plan(status.pair.target.id, backend, bench.device, context=FIT_CONTEXT,
+                            installed=lambda model: store.model_path(model, backend))
+        reasons = plan.reasons()
+    except SpecdeckError as error:
+        return notice(str(error))
+    p = status.pair
+    state = status.note or ("installed" if status.installed else "not downloaded")
+    rows = [("name", p.name), ("license", p.license), ("target", p.target.id),
+            ("drafter", p.drafter_kind + (f" {p.drafter.id}" if p.drafter else "")),
+            ("status", state), ("memory fit", status.fit.summary() if status.fit else "—")]
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                    for k, v in rows)
+    plan_items = "".join(f"<li>{html.escape(line)}</li>" for line in reasons)
+    return (f'<div class="sd-pair" data-pair="{html.escape(p.id)}" data-state="'
+            f'{html.escape(state)}"><table class="sd-loaded">{cells}</table>'
+            f"<div><b>auto drafter for this target</b> (planner):<ul>{plan_items}</ul></div>"
+            "<div class=\"sd-fit-help\">memory fit: servable context plain/with speculation, "
+            f"streams of {FIT_CONTEXT} tokens plain/with speculation</div></div>")
+
+
+def loaded_html(bench: Workbench) -> str:
+    if not bench.loaded:
+        return '<div class="sd-loaded" data-loaded="false">Nothing loaded yet.</div>'
+    memory = bench.memory()
+    rows = [("target", bench.target.name), ("draft", bench.draft.name if bench.draft else "—"),
+            ("device / dtype", f"{bench.target.device} / {bench.target.dtype}"),
+            ("context", str(bench.target.context_length)),
+            ("weights in memory", human_bytes(memory["weights"])),
+            ("auto drafter", bench.resolve("auto").reason)]
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                    for k, v in rows)
+    return f'<table class="sd-loaded" data-loaded="true">{cells}</table>'
+
+
+def progress_html(p: Any) -> str:
+    """A store Progress as a bar in the page."""
+    if p.message:
+        return f'<div class="sd-progress-note">{html.escape(p.message)}</div>'
+    total = max(p.total, p.done, 1)
+    label = f"{human_bytes(p.done)} / {human_bytes(total)} · {p.file}"
+    return (f'<div class="sd-progress" data-done="{p.done}" data-total="{total}">'
+            f'<progress value="{p.done}" max="{total}"></progress> {html.escape(label)}</div>')
+
+
+class ModelsHandlers:
+    """Event handlers of the Models tab; every load or delete holds the model's `busy`."""
+
+    def __init__(self, bench: Workbench, bar: Callable[[], str]) -> None:
+        self.bench = bench
+        self.bar = bar
+
+    def view(self) -> tuple:
+        """(model bar, loaded panel, catalogue) after a change."""
+        return self.bar(), loaded_html(self.bench), _catalogue_or_empty(self.bench)
+
+    def load_files(self, target: str, draft: str) -> Iterator[tuple]:
+        """Load local files; yields (model bar, loaded panel, catalogue, notice)."""
+        target, draft = (target or "").strip(), (draft or "").strip()
+        if not target:
+            yield (gr.skip(),) * 3 + (notice("give the target's path: an HF folder or .gguf"),)
+            return
+        yield from self._exclusive(lambda: self.bench.load(target, draft or None),
+                                   "loaded {label}")
+
+    def load(self, pair_id: str | None) -> Iterator[tuple]:
+        if not pair_id:
+            yield (gr.skip(),) * 3 + (notice("pick a pair first"),)
+            return
+        yield from self._exclusive(lambda: load_pair(self.bench, pair_id), "loaded {label}")
+
+    def delete(self, pair_id: str | None) -> Iterator[tuple]:
+        from app import store
+
+        if not pair_id:
+            yield (gr.skip(),) * 3 + (notice("pick a pair first"),)
+            return
+
+        def remove() -> None:
+            if self.bench.pair_id == pair_id:
+                self.bench.unload()  # its files are about to go
+            freed = store.delete(pair_id, _store_backend(self.bench))
+            gr.Info(f"deleted {pair_id}: {human_bytes(freed)} freed")
+
+        yield from self._exclusive(remove, "")
+
+    def _exclusive(self, action: Callable[[], None], done: str) -> Iterator[tuple]:
+        if not self.bench.busy.acquire(blocking=False):
+            yield (gr.skip(),) * 3 + (notice("a generation is running: stop it, then retry"),)
+            return
+        try:
+            action()
+        except SpecdeckError as error:
+            gr.Warning(str(error))
+            yield self.view() + (notice(str(error)),)
+            return
+        except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
+            text = f"{type(error).__name__}: {error}"
+            if isinstance(error, MemoryError) or "out of memory" in text.lower():
+                text = f"out of memory: pick a smaller pair or close other programs ({text})"
+            gr.Warning(text)
+            yield self.view() + (notice(text),)
+            return
+        finally:
+            self.bench.busy.release()
+        if done:
+            gr.Info(done.format(label=self.bench.label))
+        yield self.view() + (notice(""),)
+
+    def download(self, pair_id: str | None) -> Iterator[tuple]:
+        """Pull a pair with a progress bar in the page; yields (progress, catalogue, notice)."""
+        from app import store
+
+        if not pair_id:
+            yield gr.skip(), gr.skip(), notice("pick a pair first")
+            return
+        try:
+            status = pair_status(pair_id, self.bench)
+        except SpecdeckError as error:
+            yield gr.skip(), gr.skip(), notice(str(error))
+            return
+        if status.note:
+            yield gr.skip(), gr.skip(), notice(f"{pair_id} {status.note}: that drafter kind is "
+                                               "not built yet, so there is nothing to run")
+            return
+        updates: queue.Queue[Any] = queue.Queue()
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["done"] = store.pull(pair_id, progress=updates.put,
+                                            backend=_store_backend(self.bench))
+            except SpecdeckError as error:
+                result["error"] = str(error)
+            except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
+                result["error"] = f"{type(error).__name__}: {error}"
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while worker.is_alive() or not updates.empty():
+            try:
+                latest = updates.get(timeout=0.3)
+            except queue.Empty:
+                continue
+            while not updates.empty():  # show only the newest of a burst
+                latest = updates.get()
+            yield progress_html(latest), gr.skip(), notice("")
+        if "error" in result:
+            yield gr.skip(), _catalogue_or_empty(self.bench), notice(result["error"])
+            return
+        done = result["done"]
+        text = (f"{pair_id} is ready: {human_bytes(done.bytes_downloaded)} in "
+                f"{done.seconds:.0f} s. Press Load.")
+        yield (f'<div class="sd-progress" data-finished="true">{html.escape(text)}</div>',
+               _catalogue_or_empty(self.bench), notice(""))
+
+
+def _catalogue_or_empty(bench: Workbench) -> pd.DataFrame:
+    try:
+        return catalogue_frame(bench)
+    except SpecdeckError:
+        return pd.DataFrame([], columns=list(COLUMNS))
+
+
+def _pair_ids() -> list[str]:
+    try:
+        from app.registry import load_catalogue
+        return list(load_catalogue().pairs)
+    except (ImportError, SpecdeckError):
+        return []
+
+
+def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str]) -> list:
+    """Lay out the Models tab; call inside a gr.Blocks context. Returns the events that
+    change the loaded models, for other tabs to follow."""
+    handlers = ModelsHandlers(bench, bar)
+    models_notice = gr.HTML("", elem_id="models-notice")
+    gr.Markdown("### Loaded now")
+    loaded = gr.HTML(loaded_html(bench), elem_id="models-loaded")
+    gr.Markdown("### Catalogue (models.yaml)\nEach pair is a target and its drafter. Memory fit "
+                "is for this machine: the context one stream can hold, and how many streams "
+                f"of {FIT_CONTEXT} tokens fit, without and with speculation.")
+    ids = _pair_ids()
+    table = gr.Dataframe(_catalogue_or_empty(bench), interactive=False, elem_id="models-table",
+                         wrap=True)
+    with gr.Row():
+        pair = gr.Dropdown(ids, value=bench.pair_id or (ids[0] if ids else None), label="Pair",
+                           elem_id="models-pair", scale=3)
+        download = gr.Button("Download", elem_id="models-download", scale=1)
+        load = gr.Button("Load", variant="primary", elem_id="models-load", scale=1)
+        delete = gr.Button("Delete", variant="stop", elem_id="models-delete", scale=1)
+    progress = gr.HTML("", elem_id="models-progress")
+    details = gr.HTML(pair_details(bench, pair.value), elem_id="models-details")
+    with gr.Accordion("Load local files", open=False):
+        with gr.Row():
+            target = gr.Textbox(label="Target (HF folder or .gguf)", scale=3)
+            draft = gr.Textbox(label="Draft model (optional, same tokenizer)", scale=3)
+            load_files = gr.Button("Load files", variant="primary", scale=1)
+    outputs = [bar_component, loaded, table, models_notice]
+    pair.change(lambda p: pair_details(bench, p), pair, details, queue=False)
+    download.click(handlers.download, pair, [progress, table, models_notice],
+                   concurrency_id="download", concurrency_limit=1).then(
+        lambda p: pair_details(bench, p), pair, details)
+    loads = [load.click(handlers.load, pair, outputs, concurrency_id="model",
+                        concurrency_limit=1),
+             load_files.click(handlers.load_files, [target, draft], outputs,
+                              concurrency_id="model", concurrency_limit=1)]
+    removal = delete.click(handlers.delete, pair, outputs, concurrency_id="model",
+                           concurrency_limit=1)
+    removal.then(lambda p: pair_details(bench, p), pair, details)
+    return [*loads, removal]

@@ -1,0 +1,756 @@
+"""`specdeck bench`: plain versus speculative decoding over a prompt set, on this machine.
+
+What it measures and why. Speculative decoding only pays when it is faster on the user's own
+hardware, and a machine's speed drifts (the same run can be 1.7x faster ten minutes later),
+so absolute tok/s from separate runs mean little. The target is loaded once and shared by
+every configuration (plain = the same engine loop with no drafter); after a warm-up the
+configurations run interleaved prompt by prompt (A B C, then C B A, so linear drift cancels),
+and every speedup is a ratio between runs of the same prompt made moments apart.
+
+Per configuration and category it reports decode tok/s (prefill excluded, median over
+prompts x repeats), speedup versus plain (median of per-prompt ratios, and total tokens over
+total time), τ, acceptance rate, per-position acceptance, the draft / verify / other time
+split, the engine's own overhead per step (other_s / steps: everything but the forwards),
+peak memory, and under greedy decoding whether every output equals plain's (else the first
+divergence per prompt). It prints a table; the very last line of stdout is one JSON object.
+`--compare-hf` runs HF transformers' own generate() (plain, assisted, prompt lookup) in the
+same interleaved loop (backends/hf_reference.py).
+
+Knows: prompt sets (assets/prompts/), the Model/Drafter protocols, RunStats. Must not know:
+array libraries (models come from a backend; the HF reference is imported only when asked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.engine import SpecEngine
+from app.loading import encode_prompt
+from app.ngram import NgramDrafter
+from app.types import Done, SamplingParams, SpecdeckError, common_prefix_length
+
+SCHEMA = "specdeck.bench/1"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+PROMPT_SETS = ("spec-bench", "mt-bench", "humaneval", "humaneval-rewrite")
+DRAFTER_KINDS = ("none", "ngram", "draft", "auto")
+MT_BENCH_LABELS = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                             "stem", "humanities"})
+WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
+ALL = "all"  # the category name of the overall row
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    text: str
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one bench run does; `chat` None means on when the tokenizer has a chat template."""
+
+    drafters: tuple[str, ...] = ("ngram",)
+    ks: tuple[int | str, ...] = (4,)
+    max_new_tokens: int = 128
+    repeats: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: int = 1
+    chat: bool | None = None
+    compare_hf: bool = False
+
+
+# ---------------------------------------------------------------- prompt sets
+
+def load_prompts(spec: str, limit: int | None = None) -> list[BenchPrompt]:
+    """A bundled set (NAME or NAME:cat1,cat2) or a JSONL file; the first `limit` per category."""
+    name, _, wanted = spec.partition(":")
+    if name in PROMPT_SETS:
+        prompts = _bundled(name)
+    elif Path(spec).is_file():
+        name, wanted, prompts = spec, "", _jsonl_file(Path(spec))
+    else:
+        raise SpecdeckError(f"unknown prompt set {spec!r}: use one of {', '.join(PROMPT_SETS)} "
+                            "(optionally NAME:category,...) or a path to a JSONL file")
+    if wanted:
+        keep = {c.strip() for c in wanted.split(",") if c.strip()}
+        known = {p.category for p in prompts}
+        if keep - known:
+            raise SpecdeckError(f"{name} has no category {sorted(keep - known)}: "
+                                f"pick from {', '.join(sorted(known))}")
+        prompts = [p for p in prompts if p.category in keep]
+    if limit is not None:
+        if limit < 1:
+            raise SpecdeckError(f"--limit must be >= 1 (got {limit})")
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] <= limit:
+                kept.append(p)
+        prompts = kept
+    if not prompts:
+        raise SpecdeckError(f"the prompt set {spec} is empty")
+    return prompts
+
+
+def _bundled(name: str) -> list[BenchPrompt]:
+    if name in ("spec-bench", "mt-bench"):
+        rows = _read_jsonl(ASSETS / "spec_bench_question.jsonl.gz")
+        if name == "mt-bench":
+            return [BenchPrompt(str(r["question_id"]), r["category"], r["turns"][0])
+                    for r in rows if r["category"] in MT_BENCH_LABELS]
+        # Spec-Bench's evaluation groups the eight MT-bench labels into one task group
+        return [BenchPrompt(str(r["question_id"]),
+                            "mt_bench" if r["category"] in MT_BENCH_LABELS else r["category"],
+                            r["turns"][0]) for r in rows]
+    rows = _read_jsonl(ASSETS / "HumanEval.jsonl.gz")
+    if name == "humaneval":
+        return [BenchPrompt(r["task_id"], "humaneval", r["prompt"]) for r in rows]
+    return [BenchPrompt(r["task_id"] + "/rewrite", "code_rewrite", _rewrite_request(r))
+            for r in rows]
+
+
+def _rewrite_request(row: dict[str, Any]) -> str:
+    code = row["prompt"] + row["canonical_solution"]
+    return ("Rewrite the following Python function so that it is easier to read: keep its "
+            "behaviour and its docstring, use clear variable names, and reply with the whole "
+            f"function only.\n\n```python\n{code}```\n")
+
+
+def _jsonl_file(path: Path) -> list[BenchPrompt]:
+    prompts = []
+    for n, row in enumerate(_read_jsonl(path), start=1):
+        text = row.get("prompt") or row.get("text") or row.get("question")
+        if not text and row.get("turns"):
+            text = row["turns"][0]
+        if not isinstance(text, str) or not text.strip():
+            raise SpecdeckError(f"{path} line {n} has no prompt: give each line a \"prompt\" "
+                                "(or \"text\", \"question\", \"turns\") string")
+        ident = row.get("id", row.get("question_id", row.get("task_id", n)))
+        prompts.append(BenchPrompt(str(ident), str(row.get("category", "prompts")), text))
+    return prompts
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as error:
+        raise SpecdeckError(f"could not read prompts from {path}: {error}. Give a JSONL file "
+                            "with one JSON object per line") from error
+
+
+# ---------------------------------------------------------------- one configuration
+
+@dataclass(frozen=True)
+class Config:
+    name: str  # "plain", "ngram k=4", "draft k=auto", "hf-assisted"
+    drafter: str  # none, ngram, draft, hf-plain, hf-assisted, hf-prompt-lookup
+    k: int | str
+
+
+@dataclass(frozen=True)
+class Record:
+    """One timed generation of one configuration on one prompt."""
+
+    config: str
+    prompt_id: str
+    category: str
+    repeat: int
+    token_ids: tuple[int, ...]
+    decode_tok_s: float
+    decode_s: float
+    decoded: int  # tokens after the first commit: the numerator of decode_tok_s
+    total_s: float
+    stats: dict[str, Any] | None  # RunStats.to_dict() for specdeck runs, None for HF's
+    error: str | None = None
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return len(self.token_ids) / self.total_s if self.total_s > 0 else 0.0
+
+
+class _EngineRunner:
+    def __init__(self, config: Config, engine: SpecEngine) -> None:
+        self.config, self.engine = config, engine
+
+    def run(self, prompt: BenchPrompt, ids: list[int], params: SamplingParams,
+            repeat: int) -> Record:
+        done = _last_event(self.engine.generate(ids, params))
+        s = done.stats
+        return Record(self.config.name, prompt.id, prompt.category, repeat, done.token_ids,
+                      s.decode_tok_s, s.decode_s, max(s.n_new_tokens - 1, 0),
+                      s.prefill_s + s.decode_s, s.to_dict(), done.error)
+
+
+class _HfRunner:
+    def __init__(self, config: Config, target: Any, draft: Any) -> None:
+        from backends import hf_reference  # imports torch: only under --compare-hf
+        self.config, self.target, self.draft, self._hf = config, target, draft, hf_reference
+
+    def run(self, prompt: BenchPrompt, ids: list[int], params: SamplingParams,
+            repeat: int) -> Record:
+        r = self._hf.generate(self.config.drafter, self.target, ids, params.max_new_tokens,
+                              draft=self.draft)
+        return Record(self.config.name, prompt.id, prompt.category, repeat, r.token_ids,
+                      r.decode_tok_s, r.total_s - r.first_s, len(r.token_ids) - r.n_first,
+                      r.total_s, None)
+
+
+def _last_event(events: Iterable[Any]) -> Done:
+    done = None
+    for event in events:
+        if isinstance(event, Done):
+            done = event
+    if done is None:
+        raise SpecdeckError("the engine ended without a Done event")
+    return done
+
+
+def build_runners(target: Any, settings: BenchSettings, backend: Any = None, draft: Any = None
+                  ) -> tuple[list[Any], dict[str, str]]:
+    """Runners for plain plus each (drafter, k), and the configurations that are unavailable."""
+    runners: list[Any] = [_EngineRunner(Config("plain", "none", 0), SpecEngine(target))]
+    unavailable: dict[str, str] = {}
+    for kind in dict.fromkeys(settings.drafters):
+        if kind == "none":
+            continue
+        resolved = ("draft" if draft is not None else "ngram") if kind == "auto" else kind
+        for k in settings.ks:
+            name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
+            try:
+                drafter = _make_drafter(resolved, target, backend, draft)
+                engine = SpecEngine(target, drafter, k=k)  # type: ignore[arg-type]
+            except (SpecdeckError, TypeError, ValueError) as error:
+                unavailable[name] = f"{type(error).__name__}: {error}"
+                continue
+            runners.append(_EngineRunner(Config(name, resolved, k), engine))
+    if settings.compare_hf:
+        from backends.hf_reference import METHODS
+        for method in METHODS:
+            if method == "hf-assisted" and draft is None:
+                unavailable[method] = "needs a draft model (--draft or --pair)"
+                continue
+            runners.append(_HfRunner(Config(method, method, "hf"), target, draft))
+    return runners, unavailable
+
+
+def _make_drafter(kind: str, target: Any, backend: Any, draft: Any) -> Any:
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "draft":
+        if draft is None or backend is None:
+            raise SpecdeckError("the draft drafter needs a draft model: give --draft or --pair")
+        return backend.draft_model_drafter(target, draft)
+    raise SpecdeckError(f"unknown drafter {kind!r}: use {', '.join(DRAFTER_KINDS)}")
+
+
+# ---------------------------------------------------------------- the interleaved run
+
+def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettings,
+              backend: Any = None, draft: Any = None,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every configuration on every prompt, interleaved; return the report (the JSON)."""
+    log = log or (lambda _msg: None)
+    if settings.repeats < 1:
+        raise SpecdeckError(f"--repeats must be >= 1 (got {settings.repeats})")
+    if settings.compare_hf and settings.temperature > 0:
+        raise SpecdeckError("--compare-hf compares greedy decoding: drop --temperature or "
+                            "--compare-hf")
+    chat = _chat_default(target, settings.chat)
+    encoded, skipped = _encode(target, prompts, chat, settings.max_new_tokens)
+    runners, unavailable = build_runners(target, settings, backend, draft)
+    for name, reason in unavailable.items():
+        log(f"unavailable: {name}: {reason}")
+    params = SamplingParams(temperature=settings.temperature,
+                            max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+    _warm_up(runners, encoded, params, settings.warmup, log)
+    records: list[Record] = []
+    slot = 0
+    for repeat in range(settings.repeats):
+        for prompt, ids in encoded:
+            # each slot gets its own seed, the same for every configuration
+            slot_params = SamplingParams(temperature=params.temperature,
+                                         max_new_tokens=params.max_new_tokens,
+                                         seed=settings.seed + slot)
+            order = runners if slot % 2 == 0 else runners[::-1]
+            for runner in order:
+                records.append(runner.run(prompt, ids, slot_params, repeat))
+            slot += 1
+            log(f"[{slot}/{settings.repeats * len(encoded)}] {prompt.category} {prompt.id}: "
+                + ", ".join(f"{r.config} {r.decode_tok_s:.1f}" for r in records[-len(runners):])
+                + " tok/s")
+    return _report(target, draft, runners, unavailable, records, encoded, skipped, settings,
+                   chat, backend)
+
+
+def _chat_default(target: Any, chat: bool | None) -> bool:
+    has_template = bool(getattr(target.tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise SpecdeckError(f"{target.name}'s tokenizer has no chat template: use --no-chat")
+    return has_template if chat is None else chat
+
+
+def _encode(target: Any, prompts: Sequence[BenchPrompt], chat: bool, max_new_tokens: int
+            ) -> tuple[list[tuple[BenchPrompt, list[int]]], list[str]]:
+    encoded, skipped = [], []
+    for prompt in prompts:
+        ids = encode_prompt(target.tokenizer, prompt.text, chat=chat)
+        # a prompt that leaves no room for the full reply would end early and skew tok/s
+        if not ids or len(ids) + max_new_tokens > target.context_length:
+            skipped.append(prompt.id)
+            continue
+        encoded.append((prompt, ids))
+    if not encoded:
+        raise SpecdeckError(f"no prompt fits {target.name}'s context of {target.context_length} "
+                            "tokens with the reply: lower --max-new-tokens or pick other prompts")
+    return encoded, skipped
+
+
+def _warm_up(runners: Sequence[Any], encoded: Sequence[tuple[BenchPrompt, list[int]]],
+             params: SamplingParams, rounds: int, log: Callable[[str], None]) -> None:
+    if rounds <= 0:
+        return
+    prompt, ids = encoded[0]
+    short = SamplingParams(temperature=params.temperature, seed=params.seed,
+                           max_new_tokens=min(params.max_new_tokens, WARMUP_TOKENS))
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for runner in runners:
+            runner.run(prompt, ids, short, -1)
+    log(f"warm-up: {rounds} x {len(runners)} generations in {time.perf_counter() - start:.1f} s")
+
+
+# ---------------------------------------------------------------- statistics
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix); None if equal."""
+    if len(a) == len(b) and common_prefix_length(a, b) == len(a):
+        return None
+    return common_prefix_length(a, b)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 and num > 0 else None
+
+
+Baseline = dict[tuple[str, int], Record]  # (prompt id, repeat) -> that slot's baseline run
+
+
+def summarise(records: Sequence[Record], baseline: Baseline, greedy: bool,
+              hf_baseline: Baseline | None = None) -> dict[str, Any]:
+    """Metrics of one configuration over records; speedups against baseline's same-slot runs."""
+    ok = [r for r in records if r.error is None]
+    pairs = _pairs(ok, baseline)
+    ratios = [x for x in (_ratio(r.decode_tok_s, b.decode_tok_s) for r, b in pairs) if x]
+    e2e = [x for x in (_ratio(r.e2e_tok_s, b.e2e_tok_s) for r, b in pairs) if x]
+    total = _ratio(sum(r.decoded for r, _ in pairs) / max(sum(r.decode_s for r, _ in pairs), 1e-12),
+                   sum(b.decoded for _, b in pairs) / max(sum(b.decode_s for _, b in pairs), 1e-12))
+    out: dict[str, Any] = {
+        "n_runs": len(records), "n_errors": len(records) - len(ok),
+        "n_prompts": len({r.prompt_id for r in records}),
+        "new_tokens": sum(len(r.token_ids) for r in ok),
+        "decode_tok_s": _median([r.decode_tok_s for r in ok]),
+        "e2e_tok_s": _median([r.e2e_tok_s for r in ok]),
+        "speedup_median": _median(ratios), "speedup_total": total,
+        "e2e_speedup_median": _median(e2e),
+    }
+    out.update(_engine_metrics([r.stats for r in ok if r.stats is not None]))
+    divergences = {f"{r.prompt_id}#{r.repeat}": first_divergence(b.token_ids, r.token_ids)
+                   for r, b in pairs}
+    divergences = {key: index for key, index in divergences.items() if index is not None}
+    out["identical"] = (not divergences and len(pairs) == len(records)) if greedy else None
+    out["first_divergence"] = divergences if greedy else {}
+    out["errors"] = sorted({r.error for r in records if r.error})
+    out["speedup_vs_hf_plain"] = None if hf_baseline is None else _median(
+        [x for x in (_ratio(r.decode_tok_s, b.decode_tok_s) for r, b in _pairs(ok, hf_baseline))
+         if x])
+    return out
+
+
+def _pairs(records: Sequence[Record], baseline: Baseline) -> list[tuple[Record, Record]]:
+    return [(r, baseline[(r.prompt_id, r.repeat)]) for r in records
+            if (r.prompt_id, r.repeat) in baseline and baseline[(r.prompt_id, r.repeat)].error
+            is None]
+
+
+ENGINE_KEYS = ("tau", "acceptance_rate", "acceptance_per_position", "steps", "drafted",
+               "accepted", "speculation_off_steps", "draft_s", "verify_s", "other_s",
+               "overhead_ms_per_step", "peak_memory_bytes")
+
+
+def _engine_metrics(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Sums over runs, so τ and acceptance weigh every step equally (not every prompt)."""
+    if not stats:
+        return dict.fromkeys(ENGINE_KEYS)
+    total = {key: sum(s[key] for s in stats) for key in
+             ("n_new_tokens", "target_forwards", "drafted", "accepted", "draft_s", "verify_s",
+              "other_s")}
+    width = max(len(s["drafted_per_position"]) for s in stats)
+    drafted_at = [sum(_at(s["drafted_per_position"], j) for s in stats) for j in range(width)]
+    while drafted_at and drafted_at[-1] == 0:  # positions no step reached (k="auto", k_max)
+        drafted_at.pop()
+        width -= 1
+    accepted_at = [sum(_at(s["accepted_per_position"], j) for s in stats) for j in range(width)]
+    steps = total["target_forwards"]
+    decoded = total["n_new_tokens"] - len(stats)  # each run's first token comes from prefill
+    return {
+        "tau": decoded / steps if steps else 1.0,
+        "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+        "acceptance_per_position": [a / d if d else 0.0
+                                    for a, d in zip(accepted_at, drafted_at, strict=True)],
+        "steps": steps, "drafted": total["drafted"], "accepted": total["accepted"],
+        # k="auto" turning speculation off where it does not pay (absent from older RunStats)
+        "speculation_off_steps": sum(s.get("speculation_off_steps", 0) for s in stats),
+        "draft_s": total["draft_s"], "verify_s": total["verify_s"], "other_s": total["other_s"],
+        "overhead_ms_per_step": 1000 * total["other_s"] / steps if steps else None,
+        "peak_memory_bytes": max(s["peak_memory_bytes"] for s in stats),
+    }
+
+
+def _at(values: Sequence[int], j: int) -> int:
+    return values[j] if j < len(values) else 0
+
+
+# ---------------------------------------------------------------- the report
+
+def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[str, str],
+            records: Sequence[Record], encoded: Sequence[tuple[BenchPrompt, list[int]]],
+            skipped: Sequence[str], settings: BenchSettings, chat: bool, backend: Any
+            ) -> dict[str, Any]:
+    greedy = settings.temperature == 0
+    by_config: dict[str, list[Record]] = {}
+    for r in records:
+        by_config.setdefault(r.config, []).append(r)
+    categories = list(dict.fromkeys(p.category for p, _ in encoded))
+    baselines = {name: {(r.prompt_id, r.repeat): r for r in by_config.get(name, [])}
+                 for name in ("plain", "hf-plain")}
+    configs = []
+    for runner in runners:
+        config = runner.config
+        mine = by_config.get(config.name, [])
+        rows = {ALL: mine, **{c: [r for r in mine if r.category == c] for c in categories}}
+        entry: dict[str, Any] = {
+            "name": config.name, "drafter": config.drafter, "k": config.k, "available": True,
+            "reason": None, "k_effective": getattr(getattr(runner, "engine", None), "k", None),
+        }
+        hf = baselines["hf-plain"] if config.drafter.startswith("hf-") else None
+        entry["overall"] = summarise(rows[ALL], baselines["plain"], greedy, hf)
+        entry["categories"] = {c: summarise(rows[c], baselines["plain"], greedy, hf)
+                               for c in categories}
+        configs.append(entry)
+    configs += [{"name": name, "drafter": name.split()[0], "k": None, "available": False,
+                 "reason": reason, "k_effective": None, "overall": None, "categories": {}}
+                for name, reason in unavailable.items()]
+    return {
+        "schema": SCHEMA,
+        "machine": machine_info(target, backend),
+        "settings": {
+            "target": target.name, "draft": getattr(draft, "name", None),
+            "target_weights_bytes": target.weights_bytes(),
+            "draft_weights_bytes": draft.weights_bytes() if draft is not None else None,
+            "drafters": list(settings.drafters), "k": list(settings.ks),
+            "max_new_tokens": settings.max_new_tokens, "repeats": settings.repeats,
+            "temperature": settings.temperature, "seed": settings.seed,
+            "warmup": settings.warmup, "chat": chat, "compare_hf": settings.compare_hf,
+            "categories": categories, "n_prompts": len(encoded), "skipped_prompts": list(skipped),
+        },
+        "peak_memory_bytes": target.peak_memory_bytes(),
+        "configs": configs,
+        "runs": [_run_json(r) for r in records],
+    }
+
+
+def _run_json(r: Record) -> dict[str, Any]:
+    return {"config": r.config, "prompt_id": r.prompt_id, "category": r.category,
+            "repeat": r.repeat, "n_new_tokens": len(r.token_ids), "decode_tok_s": r.decode_tok_s,
+            "e2e_tok_s": r.e2e_tok_s, "total_s": r.total_s, "error": r.error,
+            "token_ids": list(r.token_ids), "stats": r.stats}
+
+
+def machine_info(target: Any, backend: Any = None) -> dict[str, Any]:
+    """The machine named in every report: CPU, cores, library versions, backend, device, dtype."""
+    return {
+        "cpu": _cpu_model(), "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "versions": {name: _version(name) for name in ("torch", "transformers", "mlx", "mlx-lm")
+                     if _version(name)},
+        "backend": getattr(backend, "name", None) or _backend_of(target),
+        "device": target.device, "dtype": target.dtype,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _backend_of(target: Any) -> str:
+    return type(target).__module__.rsplit(".", 1)[-1].removesuffix("_backend")
+
+
+def summary_line(report: dict[str, Any]) -> dict[str, Any]:
+    """The one-line JSON that ends stdout: the headline numbers per configuration."""
+    m, s = report["machine"], report["settings"]
+    results = {}
+    for c in report["configs"]:
+        o = c["overall"]
+        results[c["name"]] = None if o is None else {
+            key: o.get(key) for key in ("decode_tok_s", "speedup_median", "speedup_total",
+                                        "e2e_speedup_median", "tau", "acceptance_rate",
+                                        "overhead_ms_per_step", "speculation_off_steps",
+                                        "identical", "speedup_vs_hf_plain")}
+    return {"schema": SCHEMA, "target": s["target"], "draft": s["draft"],
+            "n_prompts": s["n_prompts"], "max_new_tokens": s["max_new_tokens"],
+            "temperature": s["temperature"],
+            "machine": f"{m['cpu']}, {m['cores']} cores, {m['backend']} {m['device']} {m['dtype']}",
+            "results": results}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human table: one row per configuration and category (overall first)."""
+    m, s = report["machine"], report["settings"]
+    head = (f"{s['target']}" + (f" + draft {s['draft']}" if s["draft"] else "")
+            + f" | {s['n_prompts']} prompts x {s['repeats']} | {s['max_new_tokens']} new tokens"
+            + f" | temperature {s['temperature']} | chat {'on' if s['chat'] else 'off'}\n"
+            + f"{m['cpu']} ({m['cores']} cores) | {m['backend']} {m['device']} {m['dtype']} | "
+            + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+            + f" | peak memory {report['peak_memory_bytes'] / 2**30:.2f} GiB")
+    cols = ("config", "category", "n", "tok/s", "speedup", "sp.total", "e2e tok/s", "e2e sp.",
+            "τ", "accept", "draft/verify/other s", "ovh ms/step", "identical")
+    rows = []
+    for c in report["configs"]:
+        if not c["available"]:
+            continue
+        parts = [(ALL, c["overall"])]
+        if len(c["categories"]) > 1:
+            parts += list(c["categories"].items())
+        rows += [_table_row(c["name"], category, o) for category, o in parts]
+    widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
+    lines = [head, "  ".join(h.ljust(w) for h, w in zip(cols, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    available = [c for c in report["configs"] if c["available"]]
+    per_position = [f"{c['name']}: " + " ".join(f"{a:.2f}" for a in
+                                                c["overall"]["acceptance_per_position"])
+                    + _off_note(c["overall"])
+                    for c in available if c["overall"]["acceptance_per_position"]]
+    if per_position:
+        lines.append("acceptance per position: " + "; ".join(per_position))
+    hf = [f"{c['name']} {c['overall']['speedup_vs_hf_plain'] or 0:.2f}x"
+          for c in available if c["drafter"] in ("hf-assisted", "hf-prompt-lookup")]
+    if hf:
+        lines.append("HF transformers, speedup vs its own plain generate (median): "
+                     + ", ".join(hf))
+    lines += [f"unavailable: {c['name']}: {c['reason']}"
+              for c in report["configs"] if not c["available"]]
+    return "\n".join(lines)
+
+
+def _off_note(o: dict[str, Any]) -> str:
+    off = o["speculation_off_steps"]
+    return f" (speculation off in {off} of {o['steps']} steps)" if off else ""
+
+
+def _table_row(name: str, category: str, o: dict[str, Any]) -> tuple[str, ...]:
+    def f(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
+    split = ("-" if o["draft_s"] is None else
+             f"{o['draft_s']:.2f}/{o['verify_s']:.2f}/{o['other_s']:.2f}")
+    identical = {None: "-", True: "yes", False: "NO " + ",".join(
+        f"{k}@{v}" for k, v in list(o["first_divergence"].items())[:3])}[o["identical"]]
+    return (name, category, str(o["n_runs"]), f(o["decode_tok_s"]),
+            f(o["speedup_median"], suffix="x"), f(o["speedup_total"], suffix="x"),
+            f(o["e2e_tok_s"]), f(o["e2e_speedup_median"], suffix="x"), f(o["tau"]),
+            f(o["acceptance_rate"], ".0%"), split, f(o["overhead_ms_per_step"]), identical)
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Bars of the median speedup versus plain, per configuration and category."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise SpecdeckError("--plot needs matplotlib: pip install 'specdeck[bench]'") from error
+    configs = [c for c in report["configs"] if c["available"] and c["name"] != "plain"]
+    categories = [ALL, *report["settings"]["categories"]] if len(
+        report["settings"]["categories"]) > 1 else [ALL]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(len(configs), 1)), 4))
+    width = 0.8 / max(len(configs), 1)
+    for i, c in enumerate(configs):
+        values = [(c["overall"] if cat == ALL else c["categories"][cat])["speedup_median"] or 0
+                  for cat in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=c["name"])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(configs) - 1) / 2 for x in range(len(categories))],
+                  categories)
+    ax.set_ylabel("speedup vs plain (median)")
+    s, m = report["settings"], report["machine"]
+    ax.set_title(f"{s['target']} | {m['cpu']} | {m['device']} {m['dtype']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as error:
+        raise SpecdeckError(f"could not write the plot to {path}: {error}") from error
+    finally:
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------- command line
+
+def add_subcommand(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="measure plain vs speculative decoding on a prompt set",
+                              description=__doc__.split("\n\n")[1])
+    p.add_argument("--pair", help="catalogue pair id (see `specdeck models`)")
+    p.add_argument("--target", help="target model: HF folder or .gguf file")
+    p.add_argument("--draft", help="draft model (HF folder or .gguf) for the draft drafter")
+    p.add_argument("--backend", default="auto", help="auto, torch or mlx")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--drafters", default=None,
+                   help="comma list of none, ngram, draft, auto (default: ngram, and draft when "
+                        "a draft model is given); plain is always measured")
+    p.add_argument("--k", default="4", help="comma list of draft lengths: integers or auto")
+    p.add_argument("--prompts", default="spec-bench",
+                   help=f"{', '.join(PROMPT_SETS)} (NAME:cat1,cat2 keeps those categories) "
+                        "or a JSONL file")
+    p.add_argument("--limit", type=int, default=2, help="first N prompts of each category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds over every configuration")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: on when the tokenizer has one)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers' generate: plain, assisted, prompt lookup")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
+    p.add_argument("--plot", metavar="OUT.png", help="write a speedup chart (needs matplotlib)")
+    p.set_defaults(handler=_bench)
+
+
+def parse_list(text: str, allowed: Iterable[str] = (), ints: bool = False) -> tuple[Any, ...]:
+    """A comma list; with ints, integers >= 0 or 'auto'; otherwise members of allowed."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise SpecdeckError(f"empty list {text!r}: give comma-separated values")
+    if not ints:
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise SpecdeckError(f"unknown {bad}: use {', '.join(allowed)}")
+        return tuple(items)
+    out: list[int | str] = []
+    for t in items:
+        if t == "auto":
+            out.append(t)
+        elif t.isdigit():
+            out.append(int(t))
+        else:
+            raise SpecdeckError(f"--k takes integers >= 0 or auto (got {t!r})")
+    return tuple(out)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from backends import load_backend
+
+    target_path, draft_path = _model_paths(args)
+    drafters = (parse_list(args.drafters, DRAFTER_KINDS) if args.drafters else
+                ("ngram", "draft") if draft_path else ("ngram",))
+    if "draft" in drafters and not draft_path:
+        raise SpecdeckError("--drafters draft needs a draft model: give --draft PATH or --pair")
+    if args.compare_hf and args.backend not in ("auto", "torch"):
+        raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
+    settings = BenchSettings(drafters=drafters, ks=parse_list(args.k, ints=True),
+                             max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                             temperature=args.temperature, seed=args.seed, warmup=args.warmup,
+                             chat=args.chat, compare_hf=args.compare_hf)
+    # refuse bad sampling flags before minutes of model loading
+    SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
+    prompts = load_prompts(args.prompts, args.limit)
+    backend = load_backend(args.backend)
+    if args.compare_hf and backend.name != "torch":
+        raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
+    log = _stderr
+    log(f"loading target {target_path}")
+    target = backend.load(target_path, device=args.device, dtype=args.dtype)
+    draft = None
+    if draft_path and ({"draft", "auto"} & set(drafters) or args.compare_hf):
+        log(f"loading draft {draft_path}")
+        draft = backend.load(draft_path, device=args.device, dtype=args.dtype)
+    report = run_bench(target, prompts, settings, backend=backend, draft=draft, log=log)
+    report["settings"].update(prompts=args.prompts, limit=args.limit, pair=args.pair,
+                              target_path=target_path, draft_path=draft_path)
+    print(format_table(report))
+    if args.json_out:
+        _write_json(report, args.json_out)
+    if args.plot:
+        write_plot(report, args.plot)
+    print(json.dumps(summary_line(report), ensure_ascii=False))
+    return 0
+
+
+def _model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
+    if args.pair:
+        if args.target:
+            raise SpecdeckError("give either --pair or --target, not both")
+        return _pair_paths(args.pair, args.backend, args.draft)
+    if not args.target:
+        raise SpecdeckError("give a model: --pair ID, or --target PATH (HF folder or .gguf)")
+    return args.target, args.draft
+
+
+def _pair_paths(pair_id: str, backend: str, draft: str | None) -> tuple[str, str | None]:
+    """The installed files of a catalogue pair; its draft model only when it drafts with one."""
+    from app import registry, store
+
+    pair = registry.load_catalogue().pair(pair_id)
+    target, draft_model = store.installed_paths(pair_id, None if backend == "auto" else backend,
+                                                need_draft=False)
+    if draft is None and pair.drafter_kind == "draft" and draft_model is not None:
+        draft = str(draft_model)
+    return str(target), draft
+
+
+def _write_json(report: dict[str, Any], path: str) -> None:
+    try:
+        Path(path).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+    except OSError as error:
+        raise SpecdeckError(f"could not write the report to {path}: {error}") from error
+
+
+def _stderr(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)

@@ -641,6 +641,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--draft-dtype", default=None,
+                   help="dtype of the draft model (default: --dtype); int8 = weight-only int8")
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto (default: ngram, and draft when "
                         "a draft model is given); plain is always measured")
@@ -710,7 +712,7 @@ def _bench(args: argparse.Namespace) -> int:
     draft = None
     if draft_path and ({"draft", "auto"} & set(drafters) or args.compare_hf):
         log(f"loading draft {draft_path}")
-        draft = backend.load(draft_path, device=args.device, dtype=args.dtype)
+        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
     report = run_bench(target, prompts, settings, backend=backend, draft=draft, log=log)
     report["settings"].update(prompts=args.prompts, limit=args.limit, pair=args.pair,
                               target_path=target_path, draft_path=draft_path)

@@ -116,6 +116,17 @@ class Drafter(Protocol):
     def accept(self, n_accepted: int, verified: TargetOutput) -> None: ...
 
 
+def collect_eos_ids(*sources: Any) -> frozenset[int]:
+    """Every end-of-sequence id the sources declare (an id, a list of ids or None each)."""
+    ids: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
 class Backend(Protocol):
     """An array library adapter: loads models and builds its model-based drafters."""
 

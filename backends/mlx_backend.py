@@ -24,7 +24,7 @@ from mlx_lm.utils import load_config, load_model
 from transformers import AutoTokenizer
 
 from app.types import SpecdeckError
-from backends.base import Capabilities, TargetOutput
+from backends.base import Capabilities, TargetOutput, collect_eos_ids
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # the folder torch_backend.convert_gguf writes next to a .gguf
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
@@ -288,13 +288,7 @@ def _describe_dtype(net: Any, config: dict[str, Any]) -> str:
 
 def _eos_ids(config_eos: Any, tokenizer: Any) -> frozenset[int]:
     """Every end-of-sequence id the config (generation_config included) and tokenizer declare."""
-    ids: set[int] = set()
-    for source in (config_eos, tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+    return collect_eos_ids(config_eos, tokenizer.eos_token_id)
 
 
 def _memory(counter: str) -> int:

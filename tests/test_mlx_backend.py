@@ -223,7 +223,8 @@ def test_same_weights_give_the_same_logits_as_torch_within_fp32_tolerance(target
 
 @pytest.mark.slow
 def test_smollm2_gives_the_torch_backends_greedy_tokens(smollm2_gguf):
-    torch_model = TorchBackend().load(str(smollm2_gguf), device="cpu")  # converts it once
+    torch_model = TorchBackend().load(str(smollm2_gguf), device="cpu",
+                                      dtype="float32")  # converts it once
     mlx_model = MlxBackend().load(str(smollm2_gguf), device="cpu")
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     prompt = torch_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -22,10 +22,11 @@ def run_json(capsys, gguf, *args: str) -> dict:
 
 
 def test_ngram_and_self_draft_produce_exactly_the_plain_tokens(smollm2_gguf, capsys):
-    plain = run_json(capsys, smollm2_gguf, "--drafter", "none")
-    ngram = run_json(capsys, smollm2_gguf, "--drafter", "ngram", "--k", "4")
+    fp32 = ("--dtype", "float32")
+    plain = run_json(capsys, smollm2_gguf, "--drafter", "none", *fp32)
+    ngram = run_json(capsys, smollm2_gguf, "--drafter", "ngram", "--k", "4", *fp32)
     draft = run_json(capsys, smollm2_gguf, "--drafter", "draft", "--draft", str(smollm2_gguf),
-                     "--k", "4")
+                     "--k", "4", *fp32)
     assert plain["n_new_tokens"] > 10 and plain["text"].strip()
     assert ngram["token_ids"] == plain["token_ids"]
     assert draft["token_ids"] == plain["token_ids"]

@@ -1,9 +1,10 @@
-"""Model-based drafters on torch: DraftModelDrafter (a small model of the same family).
+"""DraftModelDrafter: a small model of the target's family drafts k tokens, on any backend.
 
-Knows: how to run a draft model autoregressively on its own cache and keep that cache in
-step with the committed tokens. Must not know: verification or the target's cache. The
-drafter's cache follows the context by common prefix, so one rule covers both cases of
-ALGORITHMS.md 3.1: after a rejection it rewinds, after full acceptance it catches up on d_k.
+Knows: the Session protocol (forward, rewind), the shared sampling pipeline, the vocabulary
+check. Must not know: array libraries (a backend may subclass it to keep its greedy chain on
+the device, as MLX does) or the target's cache. The drafter's cache follows the context by
+common prefix, so one rule covers both cases of ALGORITHMS.md 3.1: after a rejection it
+rewinds, after full acceptance it catches up on d_k.
 """
 
 from __future__ import annotations
@@ -32,21 +33,43 @@ class DraftModelDrafter:
         self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
         self._session = draft.start(exact=False)
-        self._cached: list[int] = []
+        self._cached: list[int] = []  # token ids held in the drafter's cache
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
+    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput | None,
               params: SamplingParams, rng: np.random.Generator) -> None:
         self._params, self._rng = params, rng
+        # read the prompt now, so that the first step's drafting costs what every step costs
+        # (the k controller learns the draft cost per token from it)
+        feed = self._align(prompt_ids, keep_one=False)
+        if feed:
+            self._session.forward(feed, n_logits=1)
+            self._cached.extend(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft()
-        reuse = min(common_prefix_length(self._cached, context), len(context) - 1)
+        tokens, probs = self._draft(self._align(context), k)
+        return Draft(tokens=tuple(tokens), probs=probs)
+
+    def accept(self, n_accepted: int, verified: TargetOutput) -> None:
+        # nothing to do now: the next propose aligns the cache with the committed context
+        return None
+
+    def _align(self, context: Sequence[int], keep_one: bool = True) -> list[int]:
+        """Rewind the cache to what it shares with the context; return the tokens to feed.
+
+        keep_one leaves at least the last token to feed: drafting needs its logits row.
+        """
+        reuse = common_prefix_length(self._cached, context)
+        if keep_one:
+            reuse = min(reuse, len(context) - 1)
         self._session.rewind(reuse)
         del self._cached[reuse:]
-        feed = list(context[reuse:])
+        return list(context[reuse:])
+
+    def _draft(self, feed: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for _ in range(k):
@@ -59,12 +82,7 @@ class DraftModelDrafter:
             if q is not None:
                 rows.append(q)
             feed = [token]
-        probs = np.stack(rows) if rows else None
-        return Draft(tokens=tuple(tokens), probs=probs)
-
-    def accept(self, n_accepted: int, verified: TargetOutput) -> None:
-        # nothing to do now: the next propose aligns the cache with the committed context
-        return None
+        return tokens, (np.stack(rows) if rows else None)
 
     def _confidence(self, out: TargetOutput, q: np.ndarray | None) -> float:
         if q is not None:

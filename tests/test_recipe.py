@@ -1,8 +1,9 @@
 """`specdeck recipe` prints each engine's current flags, as LANDSCAPE.md documents them.
 
 LANDSCAPE.md (the brief's survey of vLLM, SGLang and llama.cpp) lives in shared/docs beside
-the repository. Every speculative flag, method, algorithm and type a recipe prints must
-appear there; the few server basics it also prints (host, port, tensor parallelism) are
+the repository; tests/fixtures holds a snapshot for checkouts without it (CI). Every
+speculative flag, method, algorithm and type a recipe prints must appear there; the few
+server basics it also prints (host, port, tensor parallelism) are
 listed here by hand.
 """
 
@@ -18,7 +19,9 @@ from app.cli import main
 from app.recipe import Pairing, build, from_catalogue, vllm_speculative_config
 from app.types import SpecdeckError
 
-LANDSCAPE = Path(__file__).resolve().parents[2] / "shared" / "docs" / "LANDSCAPE.md"
+SHARED_LANDSCAPE = Path(__file__).resolve().parents[2] / "shared" / "docs" / "LANDSCAPE.md"
+LANDSCAPE = (SHARED_LANDSCAPE if SHARED_LANDSCAPE.is_file()
+             else Path(__file__).parent / "fixtures" / "LANDSCAPE.md")
 BASICS = {"--host", "--port", "--tensor-parallel-size", "--tp-size", "--model-path",
           "--enable-metrics", "-m", "-ngl"}
 KINDS = ("ngram", "draft", "eagle3", "mtp", "dflash")
@@ -26,8 +29,6 @@ KINDS = ("ngram", "draft", "eagle3", "mtp", "dflash")
 
 @pytest.fixture(scope="module")
 def landscape() -> str:
-    if not LANDSCAPE.is_file():
-        pytest.skip(f"{LANDSCAPE} is not beside this checkout")
     return LANDSCAPE.read_text(encoding="utf-8")
 
 

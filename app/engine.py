@@ -245,7 +245,6 @@ class SpecEngine:
         tally.draft_s += (t1 - t0) + (t3 - t2)
         tally.verify_s += t2 - t1
         tally.record(len(draft.tokens), m)
-        step_start = t0
         proposed = [*draft.tokens[:m], verdict.next_token]
         new: list[int] = []
         reason: StopReason | None = None
@@ -256,8 +255,9 @@ class SpecEngine:
                 break
         flags = [i < m for i in range(len(new))]
         if self.controller is not None:
-            other = time.perf_counter() - step_start - (t1 - t0) - (t2 - t1) - (t3 - t2)
-            self.controller.observe(len(draft.tokens), m, (t1 - t0) + (t3 - t2), t2 - t1, other)
+            # the stop rules and text after t3 are this step's overhead
+            self.controller.observe(len(draft.tokens), m, (t1 - t0) + (t3 - t2), t2 - t1,
+                                    time.perf_counter() - t3)
         return new, flags, len(draft.tokens), reason
 
     @property

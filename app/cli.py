@@ -67,7 +67,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
                         "from measured costs and acceptance")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--draft-dtype", default=None,
                    help="dtype of the draft model (default: --dtype); int8 = weight-only int8, "

@@ -137,7 +137,6 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = load_engine(args)
     prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
                                system=args.system)
-    loaded.engine.check_prompt(prompt_ids)
     done = _stream(loaded.engine, prompt_ids, params, echo=not args.json)
     if done.error:
         raise SpecdeckError(f"generation failed: {done.error}")

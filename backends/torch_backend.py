@@ -41,7 +41,7 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecdeckError("--device cuda was asked for but no CUDA GPU is visible: "
                             "use --device cpu")
-    if device not in ("cpu",) and not device.startswith("cuda"):
+    if device != "cpu" and not device.startswith("cuda"):
         raise SpecdeckError(f"unknown device {device!r}: use auto, cpu or cuda")
     return device
 

@@ -226,15 +226,21 @@ def test_auto_drafter_says_which_kind_it_picked_and_why():
     assert bench.resolve("auto").kind == "draft"
 
 
-def test_stop_ends_the_reply_after_the_current_step_and_the_next_message_works():
-    bench, engines = scripted_bench()
-    handlers = ChatHandlers(bench)
-    request = SimpleNamespace(session_hash="tab-1")
+def submit_then(handlers: ChatHandlers, request: SimpleNamespace, action) -> list:
+    """Send "hi" and call action(request) once the second frame is out, mid-reply."""
     frames = []
     for frame in handlers.submit("hi", [], *list(GREEDY.values()), request):
         frames.append(frame)
         if len(frames) == 2:
-            handlers.stop(request)
+            action(request)
+    return frames
+
+
+def test_stop_ends_the_reply_after_the_current_step_and_the_next_message_works():
+    bench, engines = scripted_bench()
+    handlers = ChatHandlers(bench)
+    request = SimpleNamespace(session_hash="tab-1")
+    frames = submit_then(handlers, request, handlers.stop)
     assert frames[-1][1][-1]["content"] == "H"
     assert 'data-status="stopped"' in frames[-1][2]
     assert "stopped" in frames[-1][0][-1]["content"]
@@ -283,11 +289,7 @@ def test_clear_mid_reply_stops_it_and_ends_with_an_empty_conversation():
     bench, engines = scripted_bench()
     handlers = ChatHandlers(bench)
     request = SimpleNamespace(session_hash="tab-1")
-    frames = []
-    for frame in handlers.submit("hi", [], *list(GREEDY.values()), request):
-        frames.append(frame)
-        if len(frames) == 2:
-            handlers.clear(request)
+    frames = submit_then(handlers, request, handlers.clear)
     assert frames[-1][0] == [] and frames[-1][1] == []
     assert 'data-status="ready"' in frames[-1][2]
     assert engines["ngram"].finished == 1 and not bench.busy.locked()

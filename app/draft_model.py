@@ -18,13 +18,20 @@ from app.sampling import sample, warp
 from app.types import Draft, SamplingParams, common_prefix_length
 from backends.base import Model, TargetOutput
 
+# the drafter computes logits only for the first ids of the vocabulary (byte-level BPE numbers
+# its tokens in merge order, so low ids are the frequent ones: ids below 32768 covered 96% of
+# HumanEval's and 92% of Spec-Bench's tokens under Qwen2.5's tokenizer) plus the prompt's own
+# tokens and EOS; FR-Spec's idea, with merge order standing in for corpus counts
+DRAFT_VOCAB_LIMIT = 32768
+
 
 class DraftModelDrafter:
     """Drafts k tokens with a small model: argmax when greedy, sampled (with q) otherwise."""
 
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0) -> None:
+    def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0,
+                 vocab_limit: int = DRAFT_VOCAB_LIMIT) -> None:
         check_vocab_compatible(target, draft)
         self.name = "draft"
         self.model = draft
@@ -32,6 +39,9 @@ class DraftModelDrafter:
         # an unsure draft token is likely rejected and would waste the rest of the chain
         self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
+        # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
+        self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
+        self._always = {*target.eos_token_ids, *draft.eos_token_ids}
         self._session = draft.start(exact=False)
         self._cached: list[int] = []  # token ids held in the drafter's cache
         self._params = SamplingParams()
@@ -40,6 +50,9 @@ class DraftModelDrafter:
     def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput | None,
               params: SamplingParams, rng: np.random.Generator) -> None:
         self._params, self._rng = params, rng
+        if 0 < self.vocab_limit < self._vocab // 2:
+            keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
+            self.model.restrict_vocab(sorted(i for i in keep if i < self._vocab))
         # read the prompt now, so that the first step's drafting costs what every step costs
         # (the k controller learns the draft cost per token from it)
         feed = self._align(prompt_ids, keep_one=False)

@@ -75,7 +75,10 @@ def generate(method: str, target: Any, prompt_ids: Sequence[int], max_new_tokens
     clock = _Clock()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the checkpoint's sampling defaults warn under greedy
+    models = [m for m in (target, draft) if m is not None]
+    ours = [m.hf.config._attn_implementation for m in models]
     try:
+        _as_hf_ships(models)
         start = time.perf_counter()
         with torch.inference_mode():
             out = target.hf.generate(
@@ -84,7 +87,16 @@ def generate(method: str, target: Any, prompt_ids: Sequence[int], max_new_tokens
                 pad_token_id=eos[0] if eos else None, streamer=clock, **extra)
         total = time.perf_counter() - start
     finally:
+        for model, attention in zip(models, ours):
+            model.hf.set_attn_implementation(attention)
         hf_logging.set_verbosity(verbosity)
     new = tuple(int(t) for t in out[0, ids.shape[1]:].tolist())
     first = clock.first_at - start if clock.puts >= 2 else total
     return HfRun(token_ids=new, total_s=total, first_s=first, n_first=clock.n_first or len(new))
+
+
+def _as_hf_ships(models: list[Any]) -> None:
+    """HF's own attention and full output layers, so HF runs as a user would get it."""
+    for model in models:
+        model.restrict_vocab(None)
+        model.hf.set_attn_implementation("sdpa")

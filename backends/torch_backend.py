@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from app.types import SpecdeckError
+from backends import torch_attention
 from backends.base import Capabilities, TargetOutput, collect_eos_ids
 
 # int8: weight-only int8 (per output channel) with bf16 activations, for drafters on CPU
@@ -29,10 +30,10 @@ _DTYPES = {"int8": torch.bfloat16, "float32": torch.float32, "fp32": torch.float
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16}
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
-# CPU kernels pick their path by row count: measured on Qwen2.5 (bf16 and fp32), logits of a
-# forward over n >= 4 new tokens are bit-identical whatever n is, while 1-3 rows take other
-# paths. Padding every forward to 4 rows makes plain and speculative decoding share numerics.
-BATCH_INVARIANT_ROWS = 4
+# oneDNN's bf16 matmul takes another path for a single row (2-9 rows gave the same bits per
+# row): padding every forward to 2 rows, with attention made row-invariant by
+# backends/torch_attention.py, makes plain and speculative decoding share numerics.
+BATCH_INVARIANT_ROWS = 2
 
 
 def resolve_device(device: str) -> str:
@@ -136,6 +137,7 @@ class TorchModel:
         # fp32 keeps exactness without padding (its multi-row forwards cost up to 2x more here)
         low_precision = hf.dtype in (torch.bfloat16, torch.float16)
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
+        self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
 
     def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> TorchSession:
         """A new session; exact=False (drafters) skips the padding that fixes numerics."""
@@ -143,6 +145,18 @@ class TorchModel:
         if bad:
             raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")
         return TorchSession(self, capture_layers, exact)
+
+    def restrict_vocab(self, token_ids: Sequence[int] | None) -> None:
+        """Compute logits only for token_ids (others read -inf); None restores the full head.
+
+        For drafters: the output layer is a large share of a small model's weights (136M of
+        the 0.5B Qwen's 494M), and a drafter that never proposes rare tokens loses little.
+        """
+        if self._full_head is None:
+            self._full_head = self.hf.get_output_embeddings()
+        head = self._full_head if token_ids is None else SubsetHead(self._full_head, token_ids,
+                                                                    self.vocab_size)
+        self.hf.set_output_embeddings(head)
 
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
@@ -164,8 +178,11 @@ class TorchBackend:
         torch_dtype = resolve_dtype(dtype, device)
         folder = _hf_folder(Path(path))
         hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
+        # low precision on CPU: row-invariant attention keeps plain and speculative numerics equal
+        exact_cpu = device == "cpu" and torch_dtype != torch.float32
+        extra = {"attn_implementation": torch_attention.register()} if exact_cpu else {}
         try:
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError) as error:
             raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
@@ -176,6 +193,8 @@ class TorchBackend:
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
         if dtype == "int8":
             model.dtype = "int8"
+        if exact_cpu and dtype == "int8":
+            model.min_rows = 1  # int8 matmuls give the same bits for any row count
         return model
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel) -> Any:
@@ -190,15 +209,26 @@ class Int8Linear(torch.nn.Module):
     drafter's numerics change only its acceptance, never the output.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
+        self.register_buffer("weight_int8", weight_int8)  # [out, in], int8
+        self.register_buffer("scales", scales)  # [out], bf16
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, linear: torch.nn.Linear) -> Int8Linear:
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("weight_int8", torch.round(weight / scales[:, None])
-                             .clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
         bias = linear.bias
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        return cls(torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8),
+                   scales.to(torch.bfloat16),
+                   None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def rows(self, ids: torch.Tensor) -> Int8Linear:
+        """The layer restricted to the output rows ids."""
+        bias = None if self.bias is None else self.bias[ids].contiguous()
+        return Int8Linear(self.weight_int8[ids].contiguous(), self.scales[ids].contiguous(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -208,12 +238,37 @@ class Int8Linear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class SubsetHead(torch.nn.Module):
+    """An output layer over a subset of the vocabulary, scattered into full-width logits."""
+
+    def __init__(self, head: torch.nn.Module, token_ids: Sequence[int], vocab_size: int) -> None:
+        super().__init__()
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        self.register_buffer("ids", ids)
+        self.vocab_size = vocab_size
+        self.sub: torch.nn.Module
+        if isinstance(head, Int8Linear):
+            self.sub = head.rows(ids)
+        else:
+            self.sub = torch.nn.Linear(head.in_features, len(ids), bias=head.bias is not None,
+                                       device=head.weight.device, dtype=head.weight.dtype)
+            with torch.no_grad():
+                self.sub.weight.copy_(head.weight[ids])
+                if head.bias is not None:
+                    self.sub.bias.copy_(head.bias[ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = self.sub(x)
+        full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids.to(part.device), part)
+
+
 def quantize_int8(hf: Any) -> None:
     """Swap every nn.Linear (the output layer included) for an Int8Linear, in place."""
     for module in list(hf.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
+                setattr(module, child_name, Int8Linear.quantize(child))
     hf.to(torch.bfloat16)
 
 

@@ -1,0 +1,94 @@
+"""Low-precision CPU numerics: a token's logits do not depend on the rows computed beside it, so
+speculative decoding stays token-identical to plain decoding of the same configuration; and a
+drafter restricted to part of the vocabulary changes only its acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from app.draft_model import DraftModelDrafter
+from app.engine import SpecEngine
+from app.ngram import NgramDrafter
+from app.types import SamplingParams
+from backends.torch_attention import NAME, rowwise_sdpa
+from backends.torch_backend import TorchBackend
+from tests.conftest import save_hf_folder, tiny_llama
+
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 6  # Qwen2.5-1.5B's shape: 12 query heads over 2 KV heads
+    is_causal = True
+
+
+def _rows(query, key, value, context: int, n: int) -> torch.Tensor:
+    """Attention of the n query rows that follow `context` keys, as a verify forward has it."""
+    return rowwise_sdpa(_Attention(), query[:, :, :n], key[:, :, :context + n],
+                        value[:, :, :context + n], None, scaling=128 ** -0.5)[0]
+
+
+@pytest.mark.parametrize("context", [30, 126, 510])
+def test_rowwise_attention_gives_a_row_the_same_bits_alone_or_in_a_verify_batch(context):
+    torch.manual_seed(context)
+    query, key, value = (torch.randn(1, heads, 700, 128).bfloat16() for heads in (12, 2, 2))
+    batched = _rows(query, key, value, context, 12)
+    for n in range(1, 12):
+        assert torch.equal(_rows(query, key, value, context, n), batched[:, :n]), n
+
+
+def test_rowwise_attention_is_causal_attention():
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 40, 128) for heads in (12, 2, 2))
+    ours = _rows(query, key, value, 30, 8)  # [batch, rows, heads, dim]
+    mask = torch.ones(8, 38, dtype=torch.bool).tril(30)
+    reference = F.scaled_dot_product_attention(
+        query[:, :, :8], key[:, :, :38].repeat_interleave(6, 1),
+        value[:, :, :38].repeat_interleave(6, 1), attn_mask=mask)
+    torch.testing.assert_close(ours, reference.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_hf_folder(tiny_llama(seed=1), tmp_path_factory.mktemp("exact") / "tiny")
+
+
+@pytest.mark.parametrize("dtype, rows", [("int8", 1), ("bfloat16", 2)])
+def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder, dtype, rows):
+    model = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    assert model.hf.config._attn_implementation == NAME
+    assert model.start().min_rows == rows
+    session = model.start()
+    session.forward(PROMPT, n_logits=1)
+    batched = session.forward([3, 4, 5, 6, 7], n_logits=5).host_logits()
+    session.rewind(len(PROMPT))
+    for n in (1, 2, 3, 4):
+        assert (session.forward([3, 4, 5, 6, 7][:n], n_logits=n).host_logits()
+                == batched[:n]).all()
+        session.rewind(len(PROMPT))
+
+
+def test_an_int8_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder):
+    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype="int8")
+    params = SamplingParams(max_new_tokens=40)
+    plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
+    for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
+        done = list(SpecEngine(target, drafter, k=3).generate(PROMPT, params))[-1]
+        assert done.token_ids == plain.token_ids
+
+
+def test_a_drafter_on_part_of_the_vocabulary_proposes_only_from_it_and_keeps_the_output(
+        target, tiny_folder):
+    draft = TorchBackend().load(str(tiny_folder), device="cpu", dtype="float32")
+    drafter = DraftModelDrafter(target, draft, vocab_limit=8)
+    params = SamplingParams(max_new_tokens=40)
+    plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
+    done = list(SpecEngine(target, drafter, k=4).generate(PROMPT, params))[-1]
+    assert done.token_ids == plain.token_ids
+    allowed = {*range(8), *PROMPT, *target.eos_token_ids}
+    logits = draft.start(exact=False).forward(PROMPT, n_logits=1).host_logits()[0]
+    assert {int(i) for i in (logits > float("-inf")).nonzero()[0]} == allowed
+    draft.restrict_vocab(None)
+    assert (draft.start(exact=False).forward(PROMPT, n_logits=1).host_logits() > -1e30).all()

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.draft_model import DRAFT_VOCAB_HELP
 from app.engine import SpecEngine
 from app.loading import encode_prompt
 from app.ngram import NgramDrafter
@@ -71,6 +72,7 @@ class BenchSettings:
     warmup: int = 1
     chat: bool | None = None
     compare_hf: bool = False
+    draft_vocab: int = 0  # 0 = the draft model's whole vocabulary
 
 
 # ---------------------------------------------------------------- prompt sets
@@ -234,7 +236,7 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
         for k in settings.ks:
             name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
             try:
-                drafter = _make_drafter(resolved, target, backend, draft)
+                drafter = _make_drafter(resolved, target, backend, draft, settings.draft_vocab)
                 engine = SpecEngine(target, drafter, k=k)  # type: ignore[arg-type]
             except (SpecdeckError, TypeError, ValueError) as error:
                 unavailable[name] = f"{type(error).__name__}: {error}"
@@ -250,13 +252,14 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
     return runners, unavailable
 
 
-def _make_drafter(kind: str, target: Any, backend: Any, draft: Any) -> Any:
+def _make_drafter(kind: str, target: Any, backend: Any, draft: Any, draft_vocab: int = 0
+                  ) -> Any:
     if kind == "ngram":
         return NgramDrafter()
     if kind == "draft":
         if draft is None or backend is None:
             raise SpecdeckError("the draft drafter needs a draft model: give --draft or --pair")
-        return backend.draft_model_drafter(target, draft)
+        return backend.draft_model_drafter(target, draft, vocab_limit=draft_vocab)
     raise SpecdeckError(f"unknown drafter {kind!r}: use {', '.join(DRAFTER_KINDS)}")
 
 
@@ -640,9 +643,10 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for the draft drafter")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or int8")
     p.add_argument("--draft-dtype", default=None,
                    help="dtype of the draft model (default: --dtype); int8 = weight-only int8")
+    p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto (default: ngram, and draft when "
                         "a draft model is given); plain is always measured")
@@ -699,7 +703,8 @@ def _bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(drafters=drafters, ks=parse_list(args.k, ints=True),
                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              temperature=args.temperature, seed=args.seed, warmup=args.warmup,
-                             chat=args.chat, compare_hf=args.compare_hf)
+                             chat=args.chat, compare_hf=args.compare_hf,
+                             draft_vocab=args.draft_vocab)
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     prompts = load_prompts(args.prompts, args.limit)

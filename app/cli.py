@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app.draft_model import DRAFT_VOCAB_HELP
 from app.types import Done, SamplingParams, SpecdeckError, Step
 
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
@@ -68,10 +69,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "from measured costs and acceptance")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or int8 "
+                   "(weight-only int8 with bf16 activations, CPU)")
     p.add_argument("--draft-dtype", default=None,
                    help="dtype of the draft model (default: --dtype); int8 = weight-only int8, "
                         "cheaper drafting on CPU, same output")
+    p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
 
 
 def k_value(text: str) -> int | str:

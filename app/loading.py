@@ -47,7 +47,9 @@ def load_engine(args: Any) -> Loaded:
     else:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
-        drafter, name = backend.draft_model_drafter(target, draft), "draft"
+        vocab_limit = getattr(args, "draft_vocab", 0)
+        drafter = backend.draft_model_drafter(target, draft, vocab_limit=vocab_limit)
+        name = "draft"
     engine = SpecEngine(target, drafter, k=args.k)
     return Loaded(engine=engine, drafter_name=name, backend_name=backend.name, notes=notes)
 

@@ -178,9 +178,9 @@ class MlxBackend:
         mx.eval(net.parameters())
         return MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
 
-    def draft_model_drafter(self, target: MlxModel, draft: MlxModel) -> Any:
+    def draft_model_drafter(self, target: MlxModel, draft: MlxModel, vocab_limit: int = 0) -> Any:
         from backends.mlx_drafters import DraftModelDrafter
-        return DraftModelDrafter(target, draft)
+        return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
 
 def _hf_folder(path: Path) -> Path:

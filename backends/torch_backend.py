@@ -197,9 +197,10 @@ class TorchBackend:
             model.min_rows = 1  # int8 matmuls give the same bits for any row count
         return model
 
-    def draft_model_drafter(self, target: TorchModel, draft: TorchModel) -> Any:
+    def draft_model_drafter(self, target: TorchModel, draft: TorchModel,
+                            vocab_limit: int = 0) -> Any:
         from app.draft_model import DraftModelDrafter
-        return DraftModelDrafter(target, draft)
+        return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
 
 class Int8Linear(torch.nn.Module):

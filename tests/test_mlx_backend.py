@@ -255,8 +255,8 @@ def test_drafter_q_is_the_warped_draft_row_and_its_tokens_follow_q(small_pair):
     target, draft = small_pair
     params = SamplingParams(temperature=1.5, top_k=5)
     drafter = DraftModelDrafter(target, draft)
-    drafter.begin(PROMPT, None, params, np.random.default_rng(0))
-    context = [t % SMALL_VOCAB for t in PROMPT]
+    context = [t % SMALL_VOCAB for t in PROMPT]  # ids past the vocabulary would read stray memory
+    drafter.begin(context, None, params, np.random.default_rng(0))
     q = warp(draft.start().forward(context).host_logits()[-1], params)
     counts = np.zeros(SMALL_VOCAB)
     for _ in range(800):

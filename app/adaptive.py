@@ -7,7 +7,9 @@ per token. Must not know: models, backends, the engine's loop (it is fed observa
 
 k = 0 means plain decoding for that step. While speculation does not pay it stays off, but
 every `explore_every` steps one step drafts again so a change in the text (a quoted block of
-code, say) is noticed.
+code, say) is noticed. Likewise every `explore_every` steps a speculating controller drafts
+one token more than it would: positions past the chosen k are never examined otherwise, and
+their prior alone kept k=1 on a pair whose k=3 ran 1.4x faster (measured, int8 Qwen pair).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class KController:
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
+    _steps_on: int = 0
 
     def __post_init__(self) -> None:
         self._reached = [0.0] * self.k_max
@@ -84,8 +87,11 @@ class KController:
             self._steps_off += 1
             if self._steps_off % self.explore_every == 0:
                 return max(range(1, self.k_max + 1), key=rates.__getitem__)
-        else:
-            self._steps_off = 0
+            return best
+        self._steps_off = 0
+        self._steps_on += 1
+        if self._steps_on % self.explore_every == 0:
+            return min(best + 1, self.k_max)
         return best
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,

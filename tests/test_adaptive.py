@@ -83,3 +83,25 @@ def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
         done = list(engine.generate(prompt, params))[-1]
         assert done.token_ids == plain.token_ids, drafter.name
         assert engine.controller.verify_s, "the verify cost curve was probed"
+
+
+BLOCKY = {1: 0.10, 2: 0.11, 3: 0.12, 4: 0.13, 5: 0.30}  # cheap up to 4 rows, then a jump
+
+
+def test_a_speculating_controller_now_and_then_drafts_one_more_to_learn_the_next_position():
+    controller = KController(k_max=4, explore_every=4)
+    controller.seed_costs(BLOCKY)
+    feed(controller, 40, n_drafted=1, n_accepted=1, draft_s=0.035)
+    choices = [controller.choose() for _ in range(8)]
+    assert choices == [1, 1, 1, 2, 1, 1, 1, 2]
+
+
+def test_a_pair_that_agrees_climbs_from_k1_to_the_k_its_cost_curve_rewards():
+    controller = KController(k_max=4)
+    controller.seed_costs(BLOCKY)
+    feed(controller, 40, n_drafted=1, n_accepted=1, draft_s=0.035)
+    assert controller.choose() == 1  # deeper positions unseen: their prior looks too risky
+    for _ in range(300):
+        k = controller.choose()
+        controller.observe(k, k, 0.035 * k, BLOCKY[k + 1], 0.0)  # every draft accepted
+    assert controller.choose() == 3  # 4 rows still cheap; the 5-row jump is not worth it

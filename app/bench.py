@@ -16,18 +16,14 @@ divergence per prompt). It prints a table; the very last line of stdout is one J
 `--compare-hf` runs HF transformers' own generate() (plain, assisted, prompt lookup) in the
 same interleaved loop (backends/hf_reference.py).
 
-Knows: prompt sets (assets/prompts/), the Model/Drafter protocols, RunStats. Must not know:
-array libraries (models come from a backend; the HF reference is imported only when asked).
+Knows: the Model/Drafter protocols, RunStats, prompt sets through app/prompt_sets.py; the
+report's table, JSON line and plot are app/bench_report.py's. Must not know: array libraries (models come from a backend; the HF reference is imported only when asked).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.metadata
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,27 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.bench_report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
 from app.draft_model import DRAFT_VOCAB_HELP
 from app.engine import SpecEngine
 from app.loading import encode_prompt
 from app.ngram import NgramDrafter
+from app.prompt_sets import PROMPT_SETS, BenchPrompt, load_prompts
 from app.types import Done, SamplingParams, SpecdeckError, common_prefix_length
 
-SCHEMA = "specdeck.bench/1"
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
-PROMPT_SETS = ("spec-bench", "mt-bench", "humaneval", "humaneval-rewrite")
 DRAFTER_KINDS = ("none", "ngram", "draft", "auto")
-MT_BENCH_LABELS = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction",
-                             "stem", "humanities"})
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
-ALL = "all"  # the category name of the overall row
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    category: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -73,88 +58,6 @@ class BenchSettings:
     chat: bool | None = None
     compare_hf: bool = False
     draft_vocab: int = 0  # 0 = the draft model's whole vocabulary
-
-
-# ---------------------------------------------------------------- prompt sets
-
-def load_prompts(spec: str, limit: int | None = None) -> list[BenchPrompt]:
-    """A bundled set (NAME or NAME:cat1,cat2) or a JSONL file; the first `limit` per category."""
-    name, _, wanted = spec.partition(":")
-    if name in PROMPT_SETS:
-        prompts = _bundled(name)
-    elif Path(spec).is_file():
-        name, wanted, prompts = spec, "", _jsonl_file(Path(spec))
-    else:
-        raise SpecdeckError(f"unknown prompt set {spec!r}: use one of {', '.join(PROMPT_SETS)} "
-                            "(optionally NAME:category,...) or a path to a JSONL file")
-    if wanted:
-        keep = {c.strip() for c in wanted.split(",") if c.strip()}
-        known = {p.category for p in prompts}
-        if keep - known:
-            raise SpecdeckError(f"{name} has no category {sorted(keep - known)}: "
-                                f"pick from {', '.join(sorted(known))}")
-        prompts = [p for p in prompts if p.category in keep]
-    if limit is not None:
-        if limit < 1:
-            raise SpecdeckError(f"--limit must be >= 1 (got {limit})")
-        seen: dict[str, int] = {}
-        kept = []
-        for p in prompts:
-            seen[p.category] = seen.get(p.category, 0) + 1
-            if seen[p.category] <= limit:
-                kept.append(p)
-        prompts = kept
-    if not prompts:
-        raise SpecdeckError(f"the prompt set {spec} is empty")
-    return prompts
-
-
-def _bundled(name: str) -> list[BenchPrompt]:
-    if name in ("spec-bench", "mt-bench"):
-        rows = _read_jsonl(ASSETS / "spec_bench_question.jsonl.gz")
-        if name == "mt-bench":
-            return [BenchPrompt(str(r["question_id"]), r["category"], r["turns"][0])
-                    for r in rows if r["category"] in MT_BENCH_LABELS]
-        # Spec-Bench's evaluation groups the eight MT-bench labels into one task group
-        return [BenchPrompt(str(r["question_id"]),
-                            "mt_bench" if r["category"] in MT_BENCH_LABELS else r["category"],
-                            r["turns"][0]) for r in rows]
-    rows = _read_jsonl(ASSETS / "HumanEval.jsonl.gz")
-    if name == "humaneval":
-        return [BenchPrompt(r["task_id"], "humaneval", r["prompt"]) for r in rows]
-    return [BenchPrompt(r["task_id"] + "/rewrite", "code_rewrite", _rewrite_request(r))
-            for r in rows]
-
-
-def _rewrite_request(row: dict[str, Any]) -> str:
-    code = row["prompt"] + row["canonical_solution"]
-    return ("Rewrite the following Python function so that it is easier to read: keep its "
-            "behaviour and its docstring, use clear variable names, and reply with the whole "
-            f"function only.\n\n```python\n{code}```\n")
-
-
-def _jsonl_file(path: Path) -> list[BenchPrompt]:
-    prompts = []
-    for n, row in enumerate(_read_jsonl(path), start=1):
-        text = row.get("prompt") or row.get("text") or row.get("question")
-        if not text and row.get("turns"):
-            text = row["turns"][0]
-        if not isinstance(text, str) or not text.strip():
-            raise SpecdeckError(f"{path} line {n} has no prompt: give each line a \"prompt\" "
-                                "(or \"text\", \"question\", \"turns\") string")
-        ident = row.get("id", row.get("question_id", row.get("task_id", n)))
-        prompts.append(BenchPrompt(str(ident), str(row.get("category", "prompts")), text))
-    return prompts
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as error:
-        raise SpecdeckError(f"could not read prompts from {path}: {error}. Give a JSONL file "
-                            "with one JSON object per line") from error
 
 
 # ---------------------------------------------------------------- one configuration
@@ -488,149 +391,6 @@ def _run_json(r: Record) -> dict[str, Any]:
             "repeat": r.repeat, "n_new_tokens": len(r.token_ids), "decode_tok_s": r.decode_tok_s,
             "e2e_tok_s": r.e2e_tok_s, "total_s": r.total_s, "error": r.error,
             "token_ids": list(r.token_ids), "stats": r.stats}
-
-
-def machine_info(target: Any, backend: Any = None) -> dict[str, Any]:
-    """The machine named in every report: CPU, cores, library versions, backend, device, dtype."""
-    return {
-        "cpu": _cpu_model(), "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(), "python": platform.python_version(),
-        "versions": {name: _version(name) for name in ("torch", "transformers", "mlx", "mlx-lm")
-                     if _version(name)},
-        "backend": getattr(backend, "name", None) or _backend_of(target),
-        "device": target.device, "dtype": target.dtype,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _backend_of(target: Any) -> str:
-    return type(target).__module__.rsplit(".", 1)[-1].removesuffix("_backend")
-
-
-def summary_line(report: dict[str, Any]) -> dict[str, Any]:
-    """The one-line JSON that ends stdout: the headline numbers per configuration."""
-    m, s = report["machine"], report["settings"]
-    results = {}
-    for c in report["configs"]:
-        o = c["overall"]
-        results[c["name"]] = None if o is None else {
-            key: o.get(key) for key in ("decode_tok_s", "speedup_median", "speedup_total",
-                                        "e2e_speedup_median", "tau", "acceptance_rate",
-                                        "overhead_ms_per_step", "speculation_off_steps",
-                                        "identical", "speedup_vs_hf_plain")}
-    return {"schema": SCHEMA, "target": s["target"], "draft": s["draft"],
-            "n_prompts": s["n_prompts"], "max_new_tokens": s["max_new_tokens"],
-            "temperature": s["temperature"],
-            "machine": f"{m['cpu']}, {m['cores']} cores, {m['backend']} {m['device']} {m['dtype']}",
-            "results": results}
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The human table: one row per configuration and category (overall first)."""
-    m, s = report["machine"], report["settings"]
-    head = (f"{s['target']}" + (f" + draft {s['draft']}" if s["draft"] else "")
-            + f" | {s['n_prompts']} prompts x {s['repeats']} | {s['max_new_tokens']} new tokens"
-            + f" | temperature {s['temperature']} | chat {'on' if s['chat'] else 'off'}\n"
-            + f"{m['cpu']} ({m['cores']} cores) | {m['backend']} {m['device']} {m['dtype']} | "
-            + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-            + f" | peak memory {report['peak_memory_bytes'] / 2**30:.2f} GiB")
-    cols = ("config", "category", "n", "tok/s", "speedup", "sp.total", "e2e tok/s", "e2e sp.",
-            "τ", "accept", "draft/verify/other s", "ovh ms/step", "identical")
-    rows = []
-    for c in report["configs"]:
-        if not c["available"]:
-            continue
-        parts = [(ALL, c["overall"])]
-        if len(c["categories"]) > 1:
-            parts += list(c["categories"].items())
-        rows += [_table_row(c["name"], category, o) for category, o in parts]
-    widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
-    lines = [head, "  ".join(h.ljust(w) for h, w in zip(cols, widths, strict=True)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    available = [c for c in report["configs"] if c["available"]]
-    per_position = [f"{c['name']}: " + " ".join(f"{a:.2f}" for a in
-                                                c["overall"]["acceptance_per_position"])
-                    + _off_note(c["overall"])
-                    for c in available if c["overall"]["acceptance_per_position"]]
-    if per_position:
-        lines.append("acceptance per position: " + "; ".join(per_position))
-    hf = [f"{c['name']} {c['overall']['speedup_vs_hf_plain'] or 0:.2f}x"
-          for c in available if c["drafter"] in ("hf-assisted", "hf-prompt-lookup")]
-    if hf:
-        lines.append("HF transformers, speedup vs its own plain generate (median): "
-                     + ", ".join(hf))
-    lines += [f"unavailable: {c['name']}: {c['reason']}"
-              for c in report["configs"] if not c["available"]]
-    return "\n".join(lines)
-
-
-def _off_note(o: dict[str, Any]) -> str:
-    off = o["speculation_off_steps"]
-    return f" (speculation off in {off} of {o['steps']} steps)" if off else ""
-
-
-def _table_row(name: str, category: str, o: dict[str, Any]) -> tuple[str, ...]:
-    def f(value: Any, spec: str = ".2f", suffix: str = "") -> str:
-        return "-" if value is None else f"{value:{spec}}{suffix}"
-
-    split = ("-" if o["draft_s"] is None else
-             f"{o['draft_s']:.2f}/{o['verify_s']:.2f}/{o['other_s']:.2f}")
-    identical = {None: "-", True: "yes", False: "NO " + ",".join(
-        f"{k}@{v}" for k, v in list(o["first_divergence"].items())[:3])}[o["identical"]]
-    return (name, category, str(o["n_runs"]), f(o["decode_tok_s"]),
-            f(o["speedup_median"], suffix="x"), f(o["speedup_total"], suffix="x"),
-            f(o["e2e_tok_s"]), f(o["e2e_speedup_median"], suffix="x"), f(o["tau"]),
-            f(o["acceptance_rate"], ".0%"), split, f(o["overhead_ms_per_step"]), identical)
-
-
-def write_plot(report: dict[str, Any], path: str) -> None:
-    """Bars of the median speedup versus plain, per configuration and category."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise SpecdeckError("--plot needs matplotlib: pip install 'specdeck[bench]'") from error
-    configs = [c for c in report["configs"] if c["available"] and c["name"] != "plain"]
-    categories = [ALL, *report["settings"]["categories"]] if len(
-        report["settings"]["categories"]) > 1 else [ALL]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(len(configs), 1)), 4))
-    width = 0.8 / max(len(configs), 1)
-    for i, c in enumerate(configs):
-        values = [(c["overall"] if cat == ALL else c["categories"][cat])["speedup_median"] or 0
-                  for cat in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=c["name"])
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(configs) - 1) / 2 for x in range(len(categories))],
-                  categories)
-    ax.set_ylabel("speedup vs plain (median)")
-    s, m = report["settings"], report["machine"]
-    ax.set_title(f"{s['target']} | {m['cpu']} | {m['device']} {m['dtype']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as error:
-        raise SpecdeckError(f"could not write the plot to {path}: {error}") from error
-    finally:
-        plt.close(fig)
 
 
 # ---------------------------------------------------------------- command line

@@ -17,7 +17,8 @@ divergence per prompt). It prints a table; the very last line of stdout is one J
 same interleaved loop (backends/hf_reference.py).
 
 Knows: the Model/Drafter protocols, RunStats, prompt sets through app/prompt_sets.py; the
-report's table, JSON line and plot are app/bench_report.py's. Must not know: array libraries (models come from a backend; the HF reference is imported only when asked).
+report's table, JSON line and plot are app/bench_report.py's. Must not know: array libraries
+(models come from a backend; the HF reference is imported only when asked).
 """
 
 from __future__ import annotations

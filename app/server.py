@@ -25,126 +25,24 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from app import prometheus
 from app.cli import add_model_arguments
 from app.ngram import NgramDrafter, NoDrafter
+from app.openai_requests import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    OpenAIRequest,
+    error_body,
+    parse_request,
+)
+from app.server_metrics import FINISH, Metrics
 from app.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 
-MAX_K = 32  # per-request k above this is refused: verify batches grow with k
 DEFAULT_K = 4  # k for a per-request drafter when the server itself runs without one
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort",
-          "error": "error"}
-
-
-# ---- requests ---------------------------------------------------------------------------
-
-class _StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_Part] | None = None
-
-
-class _Request(BaseModel):
-    """Fields both endpoints share; unknown OpenAI fields are ignored, see _UNSUPPORTED."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 disables, as in vLLM
-    min_p: float | None = Field(None, ge=0, lt=1)
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    drafter: Literal["none", "ngram", "draft"] | None = None
-    k: int | None = Field(None, ge=0, le=MAX_K)
-
-
-class _ChatRequest(_Request):
-    messages: list[_Message] = Field(min_length=1)
-
-
-class _CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-
-
-# OpenAI fields that would change the output if honoured: refused, never silently ignored
-_UNSUPPORTED = {
-    "n": lambda v: v != 1,
-    "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: bool(v),
-    "suffix": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0),
-    "frequency_penalty": lambda v: v not in (None, 0),
-    "logit_bias": lambda v: bool(v),
-    "tools": lambda v: bool(v),
-    "response_format": lambda v: bool(v) and (not isinstance(v, dict)
-                                              or v.get("type", "text") != "text"),
-}
-
-
-class ApiError(Exception):
-    """A refused request: an OpenAI error object with its status (4xx for bad requests)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return error_body(str(self), self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def parse_request(model: type[_Request], raw: bytes) -> _Request:
-    """The validated request, or ApiError naming the offending field."""
-    try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(f"the request body is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ApiError("the request body must be a JSON object")
-    try:
-        request = model.model_validate(data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not _type_tag(p)) or None
-        raise ApiError(f"{param}: {first['msg']}" if param else first["msg"], param) from error
-    for name, refused in _UNSUPPORTED.items():
-        if name in data and refused(data[name]):
-            raise ApiError(f"{name}={data[name]!r} is not supported by specdeck serve", name)
-    return request
-
-
-def _type_tag(part: str | int) -> bool:
-    """Pydantic names the union member in an error's location (`str`, `list[int]`, `_Part`)."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
-                                      or part.startswith("_"))
 
 
 # ---- the served engine ------------------------------------------------------------------
@@ -197,7 +95,7 @@ class Job:
     k: int | None  # None: the engine's own k
 
 
-def chat_prompt(served: Served, request: _ChatRequest) -> list[int]:
+def chat_prompt(served: Served, request: ChatRequest) -> list[int]:
     from app.loading import chat_ids
 
     tokenizer = served.engine.target.tokenizer
@@ -213,7 +111,7 @@ def chat_prompt(served: Served, request: _ChatRequest) -> list[int]:
                        "messages") from error
 
 
-def _text(message: _Message, index: int) -> str:
+def _text(message: Message, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     if any(part.type != "text" for part in message.content):
@@ -221,7 +119,7 @@ def _text(message: _Message, index: int) -> str:
     return "".join(part.text or "" for part in message.content)
 
 
-def completion_prompt(served: Served, request: _CompletionRequest) -> list[int]:
+def completion_prompt(served: Served, request: CompletionRequest) -> list[int]:
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -235,7 +133,7 @@ def completion_prompt(served: Served, request: _CompletionRequest) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def make_job(served: Served, request: _Request, prompt_ids: list[int]) -> Job:
+def make_job(served: Served, request: OpenAIRequest, prompt_ids: list[int]) -> Job:
     if request.model not in (None, served.model_id):
         raise ApiError(f"the model `{request.model}` does not exist: this server serves "
                        f"`{served.model_id}`", "model", 404, "model_not_found")
@@ -243,14 +141,14 @@ def make_job(served: Served, request: _Request, prompt_ids: list[int]) -> Job:
     try:
         engine.check_prompt(prompt_ids)
     except SpecdeckError as error:
-        raise ApiError(str(error), "messages" if isinstance(request, _ChatRequest)
+        raise ApiError(str(error), "messages" if isinstance(request, ChatRequest)
                        else "prompt", code="context_length_exceeded") from error
     drafter, name = served.drafter_for(request.drafter)
     return Job(prompt_ids=prompt_ids, params=sampling(request, engine.target.context_length),
                drafter=drafter, drafter_name=name, k=served.k_for(name, request.k))
 
 
-def sampling(request: _Request, context_length: int) -> SamplingParams:
+def sampling(request: OpenAIRequest, context_length: int) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > 16 or any(not s for s in stop):
         raise ApiError("stop takes up to 16 non-empty strings", "stop")
@@ -483,78 +381,6 @@ def _data(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-# ---- metrics ----------------------------------------------------------------------------
-
-# name under `specdeck:` -> (help, what one finished request adds); vLLM's names and help
-COUNTERS = {
-    "spec_decode_num_drafts": ("Number of spec decoding drafts.",
-                               lambda s: s.drafted_per_position[0] if s.drafted_per_position
-                               else 0),
-    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.drafted),
-    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.accepted),
-    "prompt_tokens": ("Number of prefill tokens processed.", lambda s: s.n_prompt_tokens),
-    "generation_tokens": ("Number of generation tokens processed.", lambda s: s.n_new_tokens),
-}
-
-
-class Metrics:
-    """Counters since the server started, served as Prometheus text at /metrics."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.totals = dict.fromkeys(COUNTERS, 0)
-        self.accepted_per_pos: list[int] = []
-        self.finished_by: dict[str, int] = {}
-        self.running = self.queued = 0
-
-    def queued_one(self) -> None:
-        with self._lock:
-            self.queued += 1
-
-    def started_one(self) -> None:
-        with self._lock:
-            self.queued -= 1
-            self.running += 1
-
-    def finished(self, done: Done | None, ran: bool) -> None:
-        """Count one finished request; done is None when it left the queue unanswered."""
-        reason = FINISH[done.stop_reason] if done is not None else "abort"
-        with self._lock:
-            self.running -= 1 if ran else 0
-            self.queued -= 0 if ran else 1
-            self.finished_by[reason] = self.finished_by.get(reason, 0) + 1
-            if done is None:
-                return
-            for name, (_, added) in COUNTERS.items():
-                self.totals[name] += added(done.stats)
-            per_pos = done.stats.accepted_per_position
-            self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
-            for j, n in enumerate(per_pos):
-                self.accepted_per_pos[j] += n
-
-    def render(self, model: str) -> str:
-        label = {"model_name": model}
-        with self._lock:
-            families = self._families(label)
-        return "".join(prometheus.render(*family) for family in families)
-
-    def _families(self, label: dict[str, str]) -> list[tuple]:
-        families = [(f"specdeck:{name}_total", "counter", doc, [(label, self.totals[name])])
-                    for name, (doc, _) in COUNTERS.items()]
-        families += [
-            ("specdeck:spec_decode_num_accepted_tokens_per_pos_total", "counter",
-             "Accepted tokens per draft position.",
-             [({**label, "position": str(j)}, n) for j, n in enumerate(self.accepted_per_pos)]),
-            ("specdeck:request_success_total", "counter", "Count of finished requests.",
-             [({**label, "finished_reason": r}, n) for r, n in sorted(self.finished_by.items())]),
-            ("specdeck:num_requests_running", "gauge", "Requests generating now.",
-             [(label, self.running)]),
-            ("specdeck:num_requests_waiting", "gauge", "Requests queued for the engine.",
-             [(label, self.queued)]),
-        ]
-        return families
-
-
 # ---- the app ----------------------------------------------------------------------------
 
 def build_app(served: Served) -> Any:
@@ -601,7 +427,7 @@ def build_app(served: Served) -> Any:
                                  media_type="text/plain; version=0.0.4")
 
     async def _complete(request: Request, chat: bool) -> Any:
-        body = parse_request(_ChatRequest if chat else _CompletionRequest, await request.body())
+        body = parse_request(ChatRequest if chat else CompletionRequest, await request.body())
         prompt = chat_prompt(served, body) if chat else completion_prompt(served, body)
         job = make_job(served, body, prompt)
         reply, run = Reply(served, job, chat), Run(served, job)

@@ -1,0 +1,116 @@
+"""OpenAI request bodies for `specdeck serve`: validation, unsupported fields, error objects.
+
+Knows: the OpenAI chat and completions request shapes and error body, pydantic. Must not
+know: engines, threads or HTTP frameworks.
+"""
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_K = 32  # per-request k above this is refused: verify batches grow with k
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+
+
+class OpenAIRequest(BaseModel):
+    """Fields both endpoints share; unknown OpenAI fields are ignored, see _UNSUPPORTED."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 disables, as in vLLM
+    min_p: float | None = Field(None, ge=0, lt=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    drafter: Literal["none", "ngram", "draft"] | None = None
+    k: int | None = Field(None, ge=0, le=MAX_K)
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+# OpenAI fields that would change the output if honoured: refused, never silently ignored
+_UNSUPPORTED = {
+    "n": lambda v: v != 1,
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0),
+    "frequency_penalty": lambda v: v not in (None, 0),
+    "logit_bias": lambda v: bool(v),
+    "tools": lambda v: bool(v),
+    "response_format": lambda v: bool(v) and (not isinstance(v, dict)
+                                              or v.get("type", "text") != "text"),
+}
+
+
+class ApiError(Exception):
+    """A refused request: an OpenAI error object with its status (4xx for bad requests)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def parse_request(model: type[OpenAIRequest], raw: bytes) -> OpenAIRequest:
+    """The validated request, or ApiError naming the offending field."""
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(f"the request body is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ApiError("the request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if not _type_tag(p)) or None
+        raise ApiError(f"{param}: {first['msg']}" if param else first["msg"], param) from error
+    for name, refused in _UNSUPPORTED.items():
+        if name in data and refused(data[name]):
+            raise ApiError(f"{name}={data[name]!r} is not supported by specdeck serve", name)
+    return request
+
+
+def _type_tag(part: str | int) -> bool:
+    """Pydantic names the union member in an error's location (`str`, `list[int]`, `Part`)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
+                                      or part.startswith("_"))

@@ -1,0 +1,83 @@
+"""The server's /metrics: vLLM's spec_decode_* counters and request gauges, as Prometheus text.
+
+Knows: RunStats and Done, the OpenAI finish reasons, app/prometheus.py's renderer. Must not
+know: HTTP frameworks or engines.
+"""
+
+import threading
+
+from app import prometheus
+from app.types import Done
+
+FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort",
+          "error": "error"}
+
+
+# name under `specdeck:` -> (help, what one finished request adds); vLLM's names and help
+COUNTERS = {
+    "spec_decode_num_drafts": ("Number of spec decoding drafts.",
+                               lambda s: s.drafted_per_position[0] if s.drafted_per_position
+                               else 0),
+    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.drafted),
+    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.accepted),
+    "prompt_tokens": ("Number of prefill tokens processed.", lambda s: s.n_prompt_tokens),
+    "generation_tokens": ("Number of generation tokens processed.", lambda s: s.n_new_tokens),
+}
+
+
+class Metrics:
+    """Counters since the server started, served as Prometheus text at /metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals = dict.fromkeys(COUNTERS, 0)
+        self.accepted_per_pos: list[int] = []
+        self.finished_by: dict[str, int] = {}
+        self.running = self.queued = 0
+
+    def queued_one(self) -> None:
+        with self._lock:
+            self.queued += 1
+
+    def started_one(self) -> None:
+        with self._lock:
+            self.queued -= 1
+            self.running += 1
+
+    def finished(self, done: Done | None, ran: bool) -> None:
+        """Count one finished request; done is None when it left the queue unanswered."""
+        reason = FINISH[done.stop_reason] if done is not None else "abort"
+        with self._lock:
+            self.running -= 1 if ran else 0
+            self.queued -= 0 if ran else 1
+            self.finished_by[reason] = self.finished_by.get(reason, 0) + 1
+            if done is None:
+                return
+            for name, (_, added) in COUNTERS.items():
+                self.totals[name] += added(done.stats)
+            per_pos = done.stats.accepted_per_position
+            self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
+            for j, n in enumerate(per_pos):
+                self.accepted_per_pos[j] += n
+
+    def render(self, model: str) -> str:
+        label = {"model_name": model}
+        with self._lock:
+            families = self._families(label)
+        return "".join(prometheus.render(*family) for family in families)
+
+    def _families(self, label: dict[str, str]) -> list[tuple]:
+        families = [(f"specdeck:{name}_total", "counter", doc, [(label, self.totals[name])])
+                    for name, (doc, _) in COUNTERS.items()]
+        families += [
+            ("specdeck:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+             "Accepted tokens per draft position.",
+             [({**label, "position": str(j)}, n) for j, n in enumerate(self.accepted_per_pos)]),
+            ("specdeck:request_success_total", "counter", "Count of finished requests.",
+             [({**label, "finished_reason": r}, n) for r, n in sorted(self.finished_by.items())]),
+            ("specdeck:num_requests_running", "gauge", "Requests generating now.",
+             [(label, self.running)]),
+            ("specdeck:num_requests_waiting", "gauge", "Requests queued for the engine.",
+             [(label, self.queued)]),
+        ]
+        return families

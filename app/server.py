@@ -1,10 +1,10 @@
 """`specdeck serve`: an OpenAI-compatible HTTP API over one SpecEngine, with speculative stats.
 
-Knows: the OpenAI request and response shapes (/v1/models, /v1/chat/completions,
-/v1/completions, SSE streaming, error objects), the `speculative` object (vLLM's per-request
-stat names where they exist) and /metrics (vLLM's spec_decode_* counters under `specdeck:`),
-FastAPI and uvicorn. Must not know: array libraries or the step loop; it consumes the Step
-and Done events of engine.generate.
+Knows: the OpenAI response shapes (/v1/models, /v1/chat/completions, /v1/completions, SSE
+streaming), the `speculative` object (vLLM's per-request stat names where they exist), FastAPI
+and uvicorn; request bodies are app/openai_requests.py's, /metrics app/server_metrics.py's.
+Must not know: array libraries or the step loop; it consumes engine.generate's Step and Done
+events.
 
 Threads: each generation runs on its own worker thread, never on the event loop. The worker
 holds engine.lock for the whole generation, so requests queue per model, and it closes the

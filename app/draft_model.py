@@ -15,7 +15,7 @@ import numpy as np
 
 from app.pairing import check_vocab_compatible
 from app.sampling import sample, warp
-from app.types import Draft, SamplingParams, common_prefix_length
+from app.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from backends.base import Model, TargetOutput
 
 # vocab_limit N > 0: the drafter computes logits only for ids below N (byte-level BPE numbers
@@ -34,6 +34,9 @@ class DraftModelDrafter:
     def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0,
                  vocab_limit: int = 0) -> None:
         check_vocab_compatible(target, draft)
+        if vocab_limit < 0:
+            raise SpecdeckError(f"--draft-vocab must be 0 (whole vocabulary) or a positive "
+                                f"number of token ids (got {vocab_limit})")
         self.name = "draft"
         self.model = draft
         # stop drafting once the draft's top probability falls below this (llama.cpp's p-min):

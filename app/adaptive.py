@@ -6,8 +6,10 @@ per-position conditional acceptance a_j, the measured verify cost curve and the 
 per token. Must not know: models, backends, the engine's loop (it is fed observations).
 
 k = 0 means plain decoding for that step. While speculation does not pay it stays off, but
-every `explore_every` steps one step drafts again so a change in the text (a quoted block of
-code, say) is noticed. Likewise every `explore_every` steps a speculating controller drafts
+after `explore_every` steps one step drafts again so a change in the text (a quoted block of
+code, say) is noticed; each exploration that leaves it off doubles the wait (up to
+`max_explore_gap`), since with a 0.5B drafter every exploration cost a few percent of a
+prompt's time. Likewise every `explore_every` steps a speculating controller drafts
 one token more than it would: positions past the chosen k are never examined otherwise, and
 their prior alone kept k=1 on a pair whose k=3 ran 1.4x faster (measured, int8 Qwen pair).
 """
@@ -27,12 +29,14 @@ class KController:
     prior_weight: float = 2.0  # pseudo-steps of belief in the prior
     decay: float = 0.95  # per-step decay of old evidence (about 20 steps of memory)
     explore_every: int = 16
+    max_explore_gap: int = 256
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
     draft_token_s: float | None = None  # seconds per drafted token (EMA); None: not seen yet
     overhead_s: float = 0.0  # per-step time outside draft and verify (EMA)
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
+    _off_gap: int = 0  # steps off before the next exploration; 0 = explore_every
     _steps_on: int = 0
 
     def __post_init__(self) -> None:
@@ -85,10 +89,13 @@ class KController:
         best = max(range(len(rates)), key=rates.__getitem__)
         if best == 0:
             self._steps_off += 1
-            if self._steps_off % self.explore_every == 0:
+            gap = self._off_gap or self.explore_every
+            if self._steps_off >= gap:
+                self._steps_off = 0
+                self._off_gap = min(2 * gap, self.max_explore_gap)
                 return max(range(1, self.k_max + 1), key=rates.__getitem__)
             return best
-        self._steps_off = 0
+        self._steps_off = self._off_gap = 0
         self._steps_on += 1
         if self._steps_on % self.explore_every == 0:
             return min(best + 1, self.k_max)

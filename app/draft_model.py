@@ -9,6 +9,7 @@ rewinds, after full acceptance it catches up on d_k.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,9 @@ from backends.base import Model, TargetOutput
 # 32768 cut a draft token from 46.9 to 36.9 ms but acceptance fell from 58-71% to 57-65%
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
+
+
+CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
 
 
 class DraftModelDrafter:
@@ -57,18 +61,28 @@ class DraftModelDrafter:
         if 0 < self.vocab_limit < self._vocab // 2:
             keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
             self.model.restrict_vocab(sorted(i for i in keep if i < self._vocab))
-        # read the prompt now, so that the first step's drafting costs what every step costs
-        # (the k controller learns the draft cost per token from it)
-        feed = self._align(prompt_ids, keep_one=False)
-        if feed:
-            self._session.forward(feed, n_logits=1)
-            self._cached.extend(feed)
+        # read the prompt now (the engine times it as prefill), so drafting starts warm
+        self._catch_up(self._align(prompt_ids, keep_one=False))
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft()
-        tokens, probs = self._draft(self._align(context), k)
-        return Draft(tokens=tuple(tokens), probs=probs)
+        feed = self._align(context)
+        caught_up = 0.0
+        # after steps without drafting, read the missed tokens apart from drafting, so their
+        # cost is reported as catch-up (a step normally feeds 1-2 tokens: d_k and the bonus)
+        if len(feed) > CATCH_UP_ROWS:
+            t0 = time.perf_counter()
+            self._catch_up(feed[:-1])
+            feed = feed[-1:]
+            caught_up = time.perf_counter() - t0
+        tokens, probs = self._draft(feed, k)
+        return Draft(tokens=tuple(tokens), probs=probs, catch_up_s=caught_up)
+
+    def _catch_up(self, feed: list[int]) -> None:
+        if feed:
+            self._session.forward(feed, n_logits=1)
+            self._cached.extend(feed)
 
     def accept(self, n_accepted: int, verified: TargetOutput) -> None:
         # nothing to do now: the next propose aligns the cache with the committed context

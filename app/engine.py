@@ -190,11 +190,17 @@ class SpecEngine:
             first = self._choose(first_out, params, rng)
             tally.prefill_s = tally.ttft_s = time.perf_counter() - start
             tally.decode_start = time.perf_counter()
-            self.drafter.begin(prompt, first_out, params, rng)
             output.append(first)
             from_draft.append(False)
             reason = rules.admit(first, 1)
             yield self._step((first,), (False,), 0, rules, tally, len(output), reason)
+            if reason is None:
+                # the drafter reads the prompt after the first token is out: prefill work
+                # (a long prompt took a 0.5B drafter seconds here), timed as prefill
+                t0 = time.perf_counter()
+                self.drafter.begin(prompt, first_out, params, rng)
+                tally.prefill_s += time.perf_counter() - t0
+                tally.decode_start += time.perf_counter() - t0
             context = prompt + output
             while reason is None:
                 if cancel is not None and cancel.is_set():
@@ -256,8 +262,9 @@ class SpecEngine:
         flags = [i < m for i in range(len(new))]
         if self.controller is not None:
             # the stop rules and text after t3 are this step's overhead
-            self.controller.observe(len(draft.tokens), m, (t1 - t0) + (t3 - t2), t2 - t1,
-                                    time.perf_counter() - t3)
+            drafting = (t1 - t0) + (t3 - t2) - draft.catch_up_s
+            self.controller.observe(len(draft.tokens), m, drafting, t2 - t1,
+                                    time.perf_counter() - t3 + draft.catch_up_s)
         return new, flags, len(draft.tokens), reason
 
     @property
@@ -307,4 +314,4 @@ def _clip(draft: Draft, k: int) -> Draft:
     if len(draft.tokens) <= k:
         return draft
     probs = None if draft.probs is None else draft.probs[:k]
-    return Draft(tokens=draft.tokens[:k], probs=probs)
+    return Draft(tokens=draft.tokens[:k], probs=probs, catch_up_s=draft.catch_up_s)

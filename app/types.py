@@ -59,6 +59,9 @@ class Draft:
 
     tokens: tuple[int, ...] = ()
     probs: Any = None  # numpy [len(tokens), draft_vocab]: the q each token was drawn from
+    # seconds of the propose spent reading context the drafter had not seen (after steps
+    # without drafting): a one-off cost the k controller keeps out of the per-token draft cost
+    catch_up_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,13 @@ def test_moderate_acceptance_with_a_costly_drafter_picks_a_short_draft():
     assert 1 <= controller.choose() <= 4
 
 
-def test_while_off_it_explores_again_now_and_then():
-    controller = KController(k_max=4, explore_every=5)
+def test_while_off_it_explores_again_ever_more_rarely():
+    controller = KController(k_max=4, explore_every=5, max_explore_gap=20)
     controller.seed_costs(STEEP)
     feed(controller, 40, n_drafted=4, n_accepted=0, draft_s=0.0)
-    choices = [controller.choose() for _ in range(10)]
-    assert choices.count(0) == 8 and all(c > 0 for c in choices[4::5])
+    choices = [controller.choose() for _ in range(75)]
+    explored = [i for i, k in enumerate(choices) if k > 0]
+    assert explored == [4, 14, 34, 54, 74]  # gaps of 5, 10, 20, then capped at 20
 
 
 def test_acceptance_estimates_are_conditional_per_position():

@@ -69,3 +69,15 @@ def test_an_int8_drafter_keeps_the_output_and_still_agrees_often(tmp_path, targe
                 .generate(PROMPT, params))[-1]
     assert done.token_ids == plain.token_ids
     assert done.stats.acceptance_rate > 0.5
+
+
+def test_context_missed_while_speculation_was_off_is_read_as_catch_up(target):
+    drafter = DraftModelDrafter(target, target)
+    drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
+    assert drafter.propose(PROMPT, 2).catch_up_s == 0.0
+    later = PROMPT + [3, 4, 5, 6, 7, 8]  # six tokens decoded by steps that did not draft
+    resumed = drafter.propose(later, 2)
+    assert resumed.catch_up_s > 0.0
+    fresh = DraftModelDrafter(target, target)
+    fresh.begin(later, None, SamplingParams(), np.random.default_rng(0))
+    assert resumed.tokens == fresh.propose(later, 2).tokens

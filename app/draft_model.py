@@ -25,8 +25,6 @@ from backends.base import Model, TargetOutput
 # 32768 cut a draft token from 46.9 to 36.9 ms but acceptance fell from 58-71% to 57-65%
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
-
-
 CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
 
 

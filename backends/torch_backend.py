@@ -25,7 +25,7 @@ from app.types import SpecdeckError
 from backends import torch_attention
 from backends.base import Capabilities, TargetOutput, collect_eos_ids
 
-# int8: weight-only int8 (per output channel) with bf16 activations, for drafters on CPU
+# int8: weight-only int8 (per output channel) with bf16 activations, CPU targets and drafters
 _DTYPES = {"int8": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16}

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench_report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
-from app.draft_model import DRAFT_VOCAB_HELP
+from app.cli import DRAFT_VOCAB_HELP
 from app.engine import SpecEngine
 from app.loading import encode_prompt
 from app.ngram import NgramDrafter

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.draft_model import DRAFT_VOCAB_HELP
 from app.types import Done, SamplingParams, SpecdeckError, Step
 
+DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
+                    "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui", "app.recipe")
 DRAFTERS = ("none", "ngram", "draft", "auto")

@@ -19,13 +19,11 @@ from app.sampling import sample, warp
 from app.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from backends.base import Model, TargetOutput
 
+CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
 # vocab_limit N > 0: the drafter computes logits only for ids below N (byte-level BPE numbers
 # its tokens in merge order, so low ids are the frequent ones), the prompt's tokens and EOS:
 # FR-Spec's idea with merge order for corpus counts. Off by default: on the Qwen pair (int8)
 # 32768 cut a draft token from 46.9 to 36.9 ms but acceptance fell from 58-71% to 57-65%
-DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
-                    "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
-CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
 
 
 class DraftModelDrafter:

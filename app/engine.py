@@ -199,8 +199,9 @@ class SpecEngine:
                 # (a long prompt took a 0.5B drafter seconds here), timed as prefill
                 t0 = time.perf_counter()
                 self.drafter.begin(prompt, first_out, params, rng)
-                tally.prefill_s += time.perf_counter() - t0
-                tally.decode_start += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                tally.prefill_s += spent
+                tally.decode_start += spent
             context = prompt + output
             while reason is None:
                 if cancel is not None and cancel.is_set():

@@ -193,7 +193,6 @@ class TorchBackend:
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
         if dtype == "int8":
             model.dtype = "int8"
-        if exact_cpu and dtype == "int8":
             model.min_rows = 1  # int8 matmuls give the same bits for any row count
         return model
 
@@ -206,8 +205,9 @@ class TorchBackend:
 class Int8Linear(torch.nn.Module):
     """Weight-only int8 linear layer (per-channel scales, bf16 activations).
 
-    A quarter of fp32's bytes per token: drafting is bound by reading weights, and a
-    drafter's numerics change only its acceptance, never the output.
+    A quarter of fp32's bytes per token, and decoding is bound by reading weights. Its
+    matmul gives a row the same bits for any row count, so an int8 target needs no padding;
+    a drafter's numerics change only its acceptance, never the output.
     """
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench_report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
-from app.cli import DRAFT_VOCAB_HELP
+from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
 from app.engine import SpecEngine
 from app.loading import encode_prompt
 from app.ngram import NgramDrafter
@@ -404,9 +404,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for the draft drafter")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or int8")
-    p.add_argument("--draft-dtype", default=None,
-                   help="dtype of the draft model (default: --dtype); int8 = weight-only int8")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto (default: ngram, and draft when "

@@ -21,6 +21,9 @@ from app.types import Done, SamplingParams, SpecdeckError, Step
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
+DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations) or "
+              "w8a8 (int8 weights and per-token int8 activations: the fastest on CPU)")
+DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui", "app.recipe")
 DRAFTERS = ("none", "ngram", "draft", "auto")
@@ -70,11 +73,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "from measured costs and acceptance")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or int8 "
-                   "(weight-only int8 with bf16 activations, CPU)")
-    p.add_argument("--draft-dtype", default=None,
-                   help="dtype of the draft model (default: --dtype); int8 = weight-only int8, "
-                        "cheaper drafting on CPU, same output")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
 
 

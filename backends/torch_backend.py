@@ -24,11 +24,14 @@ from transformers.utils import logging as hf_logging
 from app.types import SpecdeckError
 from backends import torch_attention
 from backends.base import Capabilities, TargetOutput, collect_eos_ids
+from backends.torch_quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
 
-# int8: weight-only int8 (per output channel) with bf16 activations, CPU targets and drafters
-_DTYPES = {"int8": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16}
+# int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
+# too (per token), on oneDNN's kernels (CPU only). Their other tensors are bf16.
+QUANTIZED = ("int8", "w8a8")
+_DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "float32": torch.float32,
+           "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 # oneDNN's bf16 matmul takes another path for a single row (2-9 rows gave the same bits per
 # row): padding every forward to 2 rows, with attention made row-invariant by
@@ -54,8 +57,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         native = device.startswith("cuda") or cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
-        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16 "
-                            "or int8")
+        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16, "
+                            "int8 or w8a8")
+    if dtype == "w8a8" and device != "cpu":
+        raise SpecdeckError("--dtype w8a8 runs on the CPU only: use --device cpu, or bfloat16 "
+                            "on a GPU")
+    if dtype == "w8a8" and not w8a8_is_exact():
+        raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
+                            "lossless: use --dtype int8 (weight-only) instead")
     return _DTYPES[dtype]
 
 
@@ -125,7 +134,7 @@ class TorchModel:
         self.dtype = str(hf.dtype).removeprefix("torch.")
         config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         head = hf.get_output_embeddings()
-        self.vocab_size = int(getattr(head, "weight", getattr(head, "weight_int8", None)).shape[0])
+        self.vocab_size = int(head.out_features)
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.layers = hf.model.layers
@@ -160,7 +169,8 @@ class TorchModel:
 
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
-        return sum(t.numel() * t.element_size() for t in tensors)
+        packed = sum(m.packed_bytes() for m in self.hf.modules() if isinstance(m, W8A8Linear))
+        return packed + sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
         if self.device.startswith("cuda"):
@@ -188,55 +198,18 @@ class TorchBackend:
             raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
                                 "folder holds config.json, weights and tokenizer files, or "
                                 "re-download it with `specdeck pull`") from error
-        if dtype == "int8":
-            quantize_int8(hf)
+        if dtype in QUANTIZED:
+            quantize_linears(hf, dtype)
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
-        if dtype == "int8":
-            model.dtype = "int8"
-            model.min_rows = 1  # int8 matmuls give the same bits for any row count
+        if dtype in QUANTIZED:
+            model.dtype = dtype
+            model.min_rows = 1  # their matmuls give a row the same bits for any row count
         return model
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel,
                             vocab_limit: int = 0) -> Any:
         from app.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-
-
-class Int8Linear(torch.nn.Module):
-    """Weight-only int8 linear layer (per-channel scales, bf16 activations).
-
-    A quarter of fp32's bytes per token, and decoding is bound by reading weights. Its
-    matmul gives a row the same bits for any row count, so an int8 target needs no padding;
-    a drafter's numerics change only its acceptance, never the output.
-    """
-
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.register_buffer("weight_int8", weight_int8)  # [out, in], int8
-        self.register_buffer("scales", scales)  # [out], bf16
-        self.register_buffer("bias", bias)
-
-    @classmethod
-    def quantize(cls, linear: torch.nn.Linear) -> Int8Linear:
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        bias = linear.bias
-        return cls(torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8),
-                   scales.to(torch.bfloat16),
-                   None if bias is None else bias.detach().to(torch.bfloat16))
-
-    def rows(self, ids: torch.Tensor) -> Int8Linear:
-        """The layer restricted to the output rows ids."""
-        bias = None if self.bias is None else self.bias[ids].contiguous()
-        return Int8Linear(self.weight_int8[ids].contiguous(), self.scales[ids].contiguous(), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class SubsetHead(torch.nn.Module):
@@ -248,7 +221,7 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("ids", ids)
         self.vocab_size = vocab_size
         self.sub: torch.nn.Module
-        if isinstance(head, Int8Linear):
+        if isinstance(head, (Int8Linear, W8A8Linear)):
             self.sub = head.rows(ids)
         else:
             self.sub = torch.nn.Linear(head.in_features, len(ids), bias=head.bias is not None,
@@ -262,15 +235,6 @@ class SubsetHead(torch.nn.Module):
         part = self.sub(x)
         full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids.to(part.device), part)
-
-
-def quantize_int8(hf: Any) -> None:
-    """Swap every nn.Linear (the output layer included) for an Int8Linear, in place."""
-    for module in list(hf.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, Int8Linear.quantize(child))
-    hf.to(torch.bfloat16)
 
 
 def _hf_folder(path: Path) -> str:

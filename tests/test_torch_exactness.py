@@ -11,9 +11,11 @@ import torch.nn.functional as F  # noqa: N812
 from app.draft_model import DraftModelDrafter
 from app.engine import SpecEngine
 from app.ngram import NgramDrafter
-from app.types import SamplingParams
+from app.types import SamplingParams, SpecdeckError
+from backends import torch_backend
 from backends.torch_attention import NAME, rowwise_sdpa
 from backends.torch_backend import TorchBackend, cpu_has_native_bf16
+from backends.torch_quant import W8A8Linear, w8a8_is_exact
 from tests.conftest import save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -59,7 +61,7 @@ NATIVE_BF16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 row inv
                                  "measured on CPUs that compute bf16 natively")
 
 
-@pytest.mark.parametrize("dtype, rows", [("int8", 1), pytest.param("bfloat16", 2,
+@pytest.mark.parametrize("dtype, rows", [("int8", 1), ("w8a8", 1), pytest.param("bfloat16", 2,
                                                                    marks=NATIVE_BF16)])
 def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder, dtype, rows):
     model = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
@@ -75,8 +77,9 @@ def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder,
         session.rewind(len(PROMPT))
 
 
-def test_an_int8_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder):
-    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype="int8")
+@pytest.mark.parametrize("dtype", ["int8", "w8a8"])
+def test_an_int8_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder, dtype):
+    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
     params = SamplingParams(max_new_tokens=40)
     plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
     for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
@@ -97,3 +100,33 @@ def test_a_drafter_on_part_of_the_vocabulary_proposes_only_from_it_and_keeps_the
     assert {int(i) for i in (logits > float("-inf")).nonzero()[0]} == allowed
     draft.restrict_vocab(None)
     assert (draft.start(exact=False).forward(PROMPT, n_logits=1).host_logits() > -1e30).all()
+
+
+def test_this_cpus_int8_matmul_is_exact_so_w8a8_is_offered():
+    assert w8a8_is_exact()
+
+
+def test_a_w8a8_layer_stays_within_int8_rounding_of_the_float_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    x = torch.randn(5, 256)
+    ours = W8A8Linear.quantize(linear)(x).float()
+    reference = linear(x).detach()
+    assert (ours - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+def test_w8a8_is_refused_with_the_fix_where_the_int8_matmul_saturates(tiny_folder, monkeypatch):
+    monkeypatch.setattr(torch_backend, "w8a8_is_exact", lambda: False)
+    with pytest.raises(SpecdeckError, match="--dtype int8"):
+        TorchBackend().load(str(tiny_folder), device="cpu", dtype="w8a8")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "w8a8"])
+def test_a_w8a8_drafter_restricted_to_part_of_the_vocabulary_keeps_the_output(
+        target, tiny_folder, dtype):
+    draft = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    drafter = DraftModelDrafter(target, draft, vocab_limit=8)
+    params = SamplingParams(max_new_tokens=30)
+    plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
+    assert list(SpecEngine(target, drafter, k=4).generate(PROMPT, params))[-1].token_ids == \
+        plain.token_ids

@@ -14,12 +14,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from app.ngram import propose_lookup
 from app.pairing import check_vocab_compatible
 from app.sampling import sample, warp
 from app.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from backends.base import Model, TargetOutput
 
 CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
+# HumanEval, Qwen pair in w8a8, k=4, median of 10 prompts: the model alone 1.43x plain, with
+# lookup first on 3+ matching tokens 1.63x (up to 3x where the reply repeats the prompt's code)
+LOOKUP_MIN_N = 3
 # vocab_limit N > 0: the drafter computes logits only for ids below N (byte-level BPE numbers
 # its tokens in merge order, so low ids are the frequent ones), the prompt's tokens and EOS:
 # FR-Spec's idea with merge order for corpus counts. Off by default: on the Qwen pair (int8)
@@ -32,7 +36,7 @@ class DraftModelDrafter:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0,
-                 vocab_limit: int = 0) -> None:
+                 vocab_limit: int = 0, lookup_min_n: int = LOOKUP_MIN_N) -> None:
         check_vocab_compatible(target, draft)
         if vocab_limit < 0:
             raise SpecdeckError(f"--draft-vocab must be 0 (whole vocabulary) or a positive "
@@ -46,6 +50,9 @@ class DraftModelDrafter:
         # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
         self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
         self._always = {*target.eos_token_ids, *draft.eos_token_ids}
+        # lookup_min_n N > 0: where the context's last N+ tokens occurred before and k tokens
+        # followed, draft those (prompt lookup, free) and run the model only elsewhere
+        self.lookup_min_n = lookup_min_n
         self._session = draft.start(exact=False)
         self._cached: list[int] = []  # token ids held in the drafter's cache
         self._params = SamplingParams()
@@ -63,6 +70,10 @@ class DraftModelDrafter:
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft()
+        if self.lookup_min_n:
+            looked = propose_lookup(context, k, self.lookup_min_n, max(self.lookup_min_n, 8))
+            if len(looked) == k:
+                return Draft(tokens=looked)
         feed = self._align(context)
         caught_up = 0.0
         # after steps without drafting, read the missed tokens apart from drafting, so their

@@ -1,5 +1,5 @@
 """DraftModelDrafter: its cache follows the context; unsure drafts are cut short; bf16 padding
-and int8 drafters keep the output."""
+and int8 drafters keep the output; a context that repeats itself is drafted by lookup."""
 
 from __future__ import annotations
 
@@ -81,3 +81,30 @@ def test_context_missed_while_speculation_was_off_is_read_as_catch_up(target):
     fresh = DraftModelDrafter(target, target)
     fresh.begin(later, None, SamplingParams(), np.random.default_rng(0))
     assert resumed.tokens == fresh.propose(later, 2).tokens
+
+
+def test_a_context_that_repeats_itself_is_drafted_by_lookup_without_a_draft_forward(target):
+    drafter = DraftModelDrafter(target, target)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    assert drafter.propose(context, 4).tokens == (4, 5, 6, 7)
+    assert drafter._session.length == 0
+
+
+def test_a_match_with_fewer_than_k_tokens_after_it_is_left_to_the_model(target):
+    drafter = DraftModelDrafter(target, target)
+    draft = drafter.propose([7, 1, 2, 3, 9, 1, 2, 3], 8)
+    assert len(draft.tokens) == 8
+    assert drafter._session.length > 0
+
+
+def test_lookup_first_drafting_keeps_the_output_of_a_repetitive_prompt(target, unrelated):
+    # lookups draft deterministic tokens (one-hot q); tests/test_verify.py checks such drafts
+    # keep the sampled distribution
+    prompt = [4, 8, 15, 16, 23, 42, 7, 4, 8, 15, 16, 23, 42, 7, 4, 8, 15]
+    params = SamplingParams(max_new_tokens=40)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    for lookup_min_n in (0, 3):
+        drafter = DraftModelDrafter(target, unrelated, lookup_min_n=lookup_min_n)
+        done = list(SpecEngine(target, drafter, k=4).generate(prompt, params))[-1]
+        assert done.token_ids == plain.token_ids
+        assert done.stats.drafted > 0

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.shipped import shipped_path
 from app.types import SpecdeckError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+ASSETS = shipped_path("assets/prompts")
 PROMPT_SETS = ("spec-bench", "mt-bench", "humaneval", "humaneval-rewrite")
 MT_BENCH_LABELS = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction",
                              "stem", "humanities"})

@@ -22,9 +22,10 @@ from typing import Any
 
 import yaml
 
+from app.shipped import shipped_path
 from app.types import SpecdeckError
 
-CATALOGUE = Path(__file__).resolve().parent.parent / "models.yaml"
+CATALOGUE = shipped_path("models.yaml")
 BACKENDS = ("torch", "mlx")
 KINDS = ("ngram", "draft", "eagle3", "mtp", "medusa", "dflash", "lookahead")
 MODEL_KINDS = frozenset({"draft", "eagle3", "dflash", "medusa"})  # drafter is its own model

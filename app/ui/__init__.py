@@ -13,10 +13,11 @@ import html
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+from app.shipped import shipped_path
+
+ASSETS = shipped_path("assets")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 

@@ -85,6 +85,10 @@ class KController:
 
     def choose(self) -> int:
         """The k with the most expected tokens per second; 0 when speculation does not pay."""
+        if self.draft_token_s is None and self.k_max:
+            # drafting cost unknown: a long first draft priced as free cost a 0.5B drafter
+            # 8 forwards on prompts where speculation then did not pay; one token measures it
+            return 1
         rates = [self.expected_tokens(k) / self.step_seconds(k) for k in range(self.k_max + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         if best == 0:

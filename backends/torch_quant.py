@@ -91,8 +91,7 @@ class W8A8Linear(torch.nn.Module):
         return self.out_features * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float()
-        codes, row_scales = quantize_rows(flat)
+        codes, row_scales = _quantized_input(x)
         out = torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, _ZERO_POINT, self.packed, self.scales, self.zero_points, None, 1.0, 0,
             torch.float32, "none", [], "")
@@ -111,9 +110,25 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 codes, offset to uint8, and each row's fp32 scale [rows, 1]."""
-    scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
-    codes = torch.round(x / scales).clamp(-127, 127) + _ZERO_POINT
-    return codes.to(torch.uint8), scales
+    amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8)
+    codes = (x * (127.0 / amax)).round_().add_(_ZERO_POINT)  # within [1, 255] by construction
+    return codes.to(torch.uint8), amax / 127.0
+
+
+# q/k/v (and gate/up) projections read the same tensor one after another: quantize it once.
+# Holding the tensor keeps its identity from being reused. (Inference tensors keep no version
+# counter; the models here never change a projection's input in place between projections.)
+_last_input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    global _last_input
+    last = _last_input
+    if last is not None and last[0] is x:
+        return last[1], last[2]
+    codes, scales = quantize_rows(x.reshape(-1, x.shape[-1]).float())
+    _last_input = (x, codes, scales)
+    return codes, scales
 
 
 def quantize_linears(hf: Any, kind: str) -> None:

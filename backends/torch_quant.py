@@ -36,9 +36,7 @@ class Int8Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear) -> Int8Linear:
         weight_int8, scales = quantize_weight(linear.weight)
-        bias = linear.bias
-        return cls(weight_int8, scales.to(torch.bfloat16),
-                   None if bias is None else bias.detach().to(torch.bfloat16))
+        return cls(weight_int8, scales.to(torch.bfloat16), _bf16_bias(linear))
 
     def rows(self, ids: torch.Tensor) -> Int8Linear:
         """The layer restricted to the output rows ids."""
@@ -76,8 +74,7 @@ class W8A8Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear, keep_int8: bool = False) -> W8A8Linear:
         weight_int8, scales = quantize_weight(linear.weight)
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        return cls(weight_int8, scales, bias, keep_int8)
+        return cls(weight_int8, scales, _bf16_bias(linear), keep_int8)
 
     def rows(self, ids: torch.Tensor) -> W8A8Linear:
         """The layer restricted to the output rows ids."""
@@ -90,12 +87,15 @@ class W8A8Linear(torch.nn.Module):
     def packed_bytes(self) -> int:
         return self.out_features * self.in_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        codes, row_scales = _quantized_input(x)
-        out = torch.ops.onednn.qlinear_pointwise(
+    def matmul(self, codes: torch.Tensor) -> torch.Tensor:
+        """fp32 [rows, out]: the exact int32 products of uint8 codes, times the weight scales."""
+        return torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, _ZERO_POINT, self.packed, self.scales, self.zero_points, None, 1.0, 0,
             torch.float32, "none", [], "")
-        out = (out * row_scales).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        codes, row_scales = _quantized_input(x)
+        out = (self.matmul(codes) * row_scales).to(torch.bfloat16)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -106,6 +106,10 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight = weight.detach().float()
     scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def _bf16_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,9 +165,6 @@ def w8a8_is_exact() -> bool:
         codes = (x + _ZERO_POINT).to(torch.uint8)
         exact = (x.double() @ weight.double().t())
         for n in (1, 2, 4, 9):
-            got = torch.ops.onednn.qlinear_pointwise(
-                codes[:n], 1.0, _ZERO_POINT, layer.packed, layer.scales, layer.zero_points, None,
-                1.0, 0, torch.float32, "none", [], "")
-            if not torch.equal(got.double(), exact[:n].float().double()):
+            if not torch.equal(layer.matmul(codes[:n]).double(), exact[:n].float().double()):
                 return False
     return True

@@ -140,7 +140,7 @@ def test_w8a8_is_refused_with_the_fix_where_the_int8_matmul_saturates(tiny_folde
 
 
 @pytest.mark.parametrize("dtype", ["int8", W8A8])
-def test_a_w8a8_drafter_restricted_to_part_of_the_vocabulary_keeps_the_output(
+def test_a_quantized_drafter_restricted_to_part_of_the_vocabulary_keeps_the_output(
         target, tiny_folder, dtype):
     draft = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
     drafter = DraftModelDrafter(target, draft, vocab_limit=8)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.types import Done, SamplingParams, SpecdeckError, Step
+from app.core.types import Done, SamplingParams, SpecdeckError, Step
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
@@ -25,7 +25,8 @@ DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 ac
               "w8a8 (int8 weights and per-token int8 activations: the fastest on CPU)")
 DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
-SUBCOMMAND_MODULES = ("app.store", "app.bench", "app.server", "app.ui", "app.recipe")
+SUBCOMMAND_MODULES = (
+    "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe")
 DRAFTERS = ("none", "ngram", "draft", "auto")
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine import SpecEngine
-from app.ngram import NgramDrafter
-from app.types import SpecdeckError
+from app.core.engine import SpecEngine
+from app.core.types import SpecdeckError
+from app.drafters.ngram import NgramDrafter
 from backends import load_backend
 
 
@@ -58,7 +58,8 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
     """(target path, draft path) when --target names a catalogue pair rather than a path."""
     from pathlib import Path
 
-    from app import registry, store
+    from app import store
+    from app.catalogue import registry
 
     if Path(target).expanduser().exists() or target not in registry.load_catalogue().pairs:
         return None
@@ -70,7 +71,8 @@ def _auto_drafter(args: Any, backend: str, draft_path: str | None
                   ) -> tuple[str, str | None, tuple[str, ...]]:
     """--drafter auto: the --draft model when given, else the planner's choice among the
     drafters that are downloaded (a missing one is named in the notes, never fetched)."""
-    from app import planner, store
+    from app import store
+    from app.catalogue import planner
 
     if draft_path:
         return "draft", draft_path, (f"drafter: draft {draft_path} (given)",)

@@ -10,7 +10,7 @@ import importlib.util
 import platform
 from typing import Any
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 BACKENDS = ("torch", "mlx")
 
@@ -29,12 +29,12 @@ def load_backend(name: str = "auto") -> Any:
     if name == "torch":
         _need("torch", "torch")
         _need("transformers", "torch")
-        from backends.torch_backend import TorchBackend
+        from backends.torch.backend import TorchBackend
         return TorchBackend()
     if name == "mlx":
         _need("mlx", "mlx")
         _need("mlx_lm", "mlx")
-        from backends.mlx_backend import MlxBackend
+        from backends.mlx.backend import MlxBackend
         return MlxBackend()
     raise SpecdeckError(f"unknown backend {name!r}: use auto, {' or '.join(BACKENDS)}")
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from backends.torch_backend import TorchModel  # noqa: E402
+from backends.torch.backend import TorchModel  # noqa: E402
 
 VOCAB = 48
 
@@ -73,7 +73,7 @@ def save_hf_folder(model: TorchModel, folder: Path) -> Path:
 def mlx_twin(model: TorchModel, folder: Path):
     """The same weights loaded by the MLX backend (fp32 on the CPU); skips without mlx-lm."""
     pytest.importorskip("mlx_lm")
-    from backends.mlx_backend import MlxBackend
+    from backends.mlx.backend import MlxBackend
     return MlxBackend().load(str(save_hf_folder(model, folder)), device="cpu", dtype="float32")
 
 

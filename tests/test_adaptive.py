@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.adaptive import KController
+from app.core.adaptive import KController
 
 FLAT = {n: 0.10 for n in range(1, 10)}  # verification as cheap as one token (memory bound)
 STEEP = {n: 0.10 * n for n in range(1, 10)}  # every extra row costs a full forward
@@ -70,10 +70,10 @@ def test_unmeasured_verify_sizes_are_interpolated():
 
 
 def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
-    from app.draft_model import DraftModelDrafter
-    from app.engine import SpecEngine
-    from app.ngram import NgramDrafter
-    from app.types import SamplingParams
+    from app.core.engine import SpecEngine
+    from app.core.types import SamplingParams
+    from app.drafters.draft_model import DraftModelDrafter
+    from app.drafters.ngram import NgramDrafter
 
     prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9]
     params = SamplingParams(max_new_tokens=40)

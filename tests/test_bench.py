@@ -14,11 +14,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from app import bench
-from app.bench import BenchPrompt, BenchSettings, Record, first_divergence, summarise
+from app.bench import run as bench
+from app.bench.run import BenchPrompt, BenchSettings, Record, first_divergence, summarise
 from app.cli import main
-from app.types import SpecdeckError
-from backends.torch_backend import TorchBackend
+from app.core.types import SpecdeckError
+from backends.torch.backend import TorchBackend
 from tests.conftest import tiny_llama
 
 NUMBER = {"type": "number"}
@@ -303,5 +303,5 @@ def test_bench_on_smollm2_is_identical_to_plain_for_every_drafter_and_hf(smollm2
 
 def test_bench_module_does_not_import_torch():
     # app/ stays array-library free; HF's reference is imported only under --compare-hf
-    code = "import sys, app.bench; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, app.bench.run; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.draft_model import DraftModelDrafter
-from app.engine import SpecEngine
-from app.types import SamplingParams
+from app.core.engine import SpecEngine
+from app.core.types import SamplingParams
+from app.drafters.draft_model import DraftModelDrafter
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 
@@ -57,7 +57,7 @@ def test_padded_forwards_match_batched_rows_bit_for_bit_in_bf16():
 
 
 def test_an_int8_drafter_keeps_the_output_and_still_agrees_often(tmp_path, target):
-    from backends.torch_backend import TorchBackend
+    from backends.torch.backend import TorchBackend
     from tests.conftest import save_hf_folder
 
     folder = save_hf_folder(target, tmp_path / "tiny")

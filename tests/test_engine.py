@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from app.engine import SpecEngine
-from app.ngram import NgramDrafter
-from app.types import Done, Draft, SamplingParams, Step
+from app.core.engine import SpecEngine
+from app.core.types import Done, Draft, SamplingParams, Step
+from app.drafters.ngram import NgramDrafter
 from backends import load_backend
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]

@@ -20,15 +20,15 @@ from mlx.utils import tree_flatten  # noqa: E402
 from scipy.stats import chisquare  # noqa: E402
 
 from app.cli import main  # noqa: E402
-from app.engine import SpecEngine  # noqa: E402
-from app.ngram import NgramDrafter  # noqa: E402
-from app.sampling import warp  # noqa: E402
-from app.types import Draft, SamplingParams, SpecdeckError  # noqa: E402
-from app.verify import verify_sampled  # noqa: E402
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.sampling import warp  # noqa: E402
+from app.core.types import Draft, SamplingParams, SpecdeckError  # noqa: E402
+from app.core.verify import verify_sampled  # noqa: E402
+from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends import load_backend  # noqa: E402
-from backends.mlx_backend import CONVERTED_SUFFIX, MlxBackend, MlxModel  # noqa: E402
-from backends.mlx_drafters import DraftModelDrafter  # noqa: E402
-from backends.torch_backend import TorchBackend  # noqa: E402
+from backends.mlx.backend import CONVERTED_SUFFIX, MlxBackend, MlxModel  # noqa: E402
+from backends.mlx.drafters import DraftModelDrafter  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.conftest import mlx_twin, save_hf_folder, tiny_llama, tiny_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -73,7 +73,7 @@ def test_a_gguf_path_uses_its_converted_folder_without_converting_again(tmp_path
 
 
 def test_the_converted_folder_is_the_one_the_torch_backend_writes():
-    from backends import torch_backend
+    from backends.torch import backend as torch_backend
     assert CONVERTED_SUFFIX == torch_backend.CONVERTED_SUFFIX
 
 
@@ -192,7 +192,7 @@ def test_captured_hidden_states_match_the_torch_hooks(target, mlx_target):
 
 def test_a_prefill_in_chunks_gives_the_same_rows_and_hidden_states(target, mlx_target,
                                                                    monkeypatch):
-    monkeypatch.setattr("backends.mlx_backend.PREFILL_CHUNK", 4)
+    monkeypatch.setattr("backends.mlx.backend.PREFILL_CHUNK", 4)
     got = mlx_target.start(capture_layers=[1]).forward(PROMPT, n_logits=2)
     want = target.start(capture_layers=[1]).forward(PROMPT, n_logits=2)
     np.testing.assert_allclose(got.host_logits(), want.host_logits(), atol=1e-4)

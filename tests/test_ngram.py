@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.ngram import NgramDrafter, propose_lookup
+from app.drafters.ngram import NgramDrafter, propose_lookup
 
 CASES = [
     # (context, k, min_n, max_n, proposal, why)

@@ -6,9 +6,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from app.draft_model import DraftModelDrafter
-from app.pairing import check_vocab_compatible
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
+from app.drafters.draft_model import DraftModelDrafter
+from app.drafters.pairing import check_vocab_compatible
 from tests.conftest import tiny_llama
 
 

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from app import planner, store
-from app.planner import Sizing
-from app.registry import load_catalogue
-from app.types import SpecdeckError
+from app import store
+from app.catalogue import planner
+from app.catalogue.planner import Sizing
+from app.catalogue.registry import load_catalogue
+from app.core.types import SpecdeckError
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GB = 10**9

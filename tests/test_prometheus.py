@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app import prometheus
-from backends.remote_backend import (
+from app.serve import prometheus
+from app.serve.remote import (
     sglang_counters,
     stats_from_sglang,
     stats_from_vllm,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from app.cli import main
-from backends.torch_backend import cpu_has_native_bf16
+from backends.torch.backend import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_ngram_and_self_draft_produce_exactly_the_plain_tokens(smollm2_gguf, cap
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="the padding was measured on CPUs with "
                     "native bf16 (AVX512-BF16 or AMX); others emulate it on other kernels")
 def test_bf16_on_cpu_keeps_speculative_output_equal_to_plain(smollm2_gguf, capsys):
-    # padded forwards (backends/torch_backend.py) give bf16 the same numerics for any row count
+    # padded forwards (backends/torch/backend.py) give bf16 the same numerics for any row count
     plain = run_json(capsys, smollm2_gguf, "--drafter", "none", "--dtype", "bfloat16")
     draft = run_json(capsys, smollm2_gguf, "--drafter", "draft", "--draft", str(smollm2_gguf),
                      "--k", "5", "--dtype", "bfloat16")

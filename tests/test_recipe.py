@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from app.catalogue.recipe import Pairing, build, from_catalogue, vllm_speculative_config
 from app.cli import main
-from app.recipe import Pairing, build, from_catalogue, vllm_speculative_config
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 SHARED_LANDSCAPE = Path(__file__).resolve().parents[2] / "shared" / "docs" / "LANDSCAPE.md"
 LANDSCAPE = (SHARED_LANDSCAPE if SHARED_LANDSCAPE.is_file()

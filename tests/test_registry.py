@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from app.registry import IMPLEMENTED_KINDS, KINDS, HubSource, PypiSource, load_catalogue
-from app.types import SpecdeckError
+from app.catalogue.registry import IMPLEMENTED_KINDS, KINDS, HubSource, PypiSource, load_catalogue
+from app.core.types import SpecdeckError
 
 
 @pytest.fixture(scope="module")

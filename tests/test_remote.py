@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.types import Done, SamplingParams, SpecdeckError, Step
-from backends.remote_backend import RemoteEngine, connect
+from app.core.types import Done, SamplingParams, SpecdeckError, Step
+from app.serve.remote import RemoteEngine, connect
 from tests.serving import save_tiny_model, specdeck_serve
 
 PROMPT = "w5 w9 w12 w5 w9"

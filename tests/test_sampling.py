@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.sampling import sample, warp
-from app.types import SamplingParams, SpecdeckError
+from app.core.sampling import sample, warp
+from app.core.types import SamplingParams, SpecdeckError
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03]))
 

@@ -15,11 +15,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from app import prometheus  # noqa: E402
-from app.engine import SpecEngine  # noqa: E402
-from app.ngram import NgramDrafter  # noqa: E402
-from app.types import Done, SamplingParams  # noqa: E402
-from backends.torch_backend import TorchBackend  # noqa: E402
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.types import Done, SamplingParams  # noqa: E402
+from app.drafters.ngram import NgramDrafter  # noqa: E402
+from app.serve import prometheus  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.serving import save_tiny_model, specdeck_serve  # noqa: E402
 
 KEY = "test-key"

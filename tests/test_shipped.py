@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app import shipped
+from app.catalogue import shipped
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.engine import SpecEngine
-from app.ngram import NgramDrafter
-from app.types import Done, SamplingParams, Step
+from app.core.engine import SpecEngine
+from app.core.types import Done, SamplingParams, Step
+from app.drafters.ngram import NgramDrafter
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 

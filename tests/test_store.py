@@ -21,9 +21,9 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 from app import cli, store
-from app.registry import load_catalogue
+from app.catalogue.registry import load_catalogue
+from app.core.types import SpecdeckError
 from app.store.mirror import wheel_stem
-from app.types import SpecdeckError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 VERSION = "0.0.1"

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from app.text import IncrementalDetokenizer
+from app.core.text import IncrementalDetokenizer
 
 CORPUS = ["def add(a, b):\n    return a + b", "héllo wörld ünïcode", "plain ascii text here"]
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from app.draft_model import DraftModelDrafter
-from app.engine import SpecEngine
-from app.ngram import NgramDrafter
-from app.types import SamplingParams, SpecdeckError
-from backends import torch_backend
-from backends.torch_attention import NAME, rowwise_sdpa
-from backends.torch_backend import TorchBackend, cpu_has_native_bf16
-from backends.torch_quant import W8A8Linear, w8a8_is_exact
+from app.core.engine import SpecEngine
+from app.core.types import SamplingParams, SpecdeckError
+from app.drafters.draft_model import DraftModelDrafter
+from app.drafters.ngram import NgramDrafter
+from backends.torch import backend as torch_backend
+from backends.torch.attention import NAME, rowwise_sdpa
+from backends.torch.backend import TorchBackend, cpu_has_native_bf16
+from backends.torch.quant import W8A8Linear, w8a8_is_exact
 from tests.conftest import save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.engine import SpecEngine
-from app.types import Done, RunStats, SpecdeckError, Step
+from app.core.engine import SpecEngine
+from app.core.types import Done, RunStats, SpecdeckError, Step
 from app.ui import build_app, model_bar
 from app.ui import chat as chat_module
 from app.ui.bench import BenchHandlers, report_frames, summary_markdown
@@ -439,7 +439,7 @@ def tiny_bench(target, unrelated) -> Workbench:
     target.tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'assistant' %}w3 {% endif %}"
         "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
-    from backends.torch_backend import TorchBackend
+    from backends.torch.backend import TorchBackend
 
     def factory(kind: str, k: int) -> SpecEngine:
         if kind == "none":
@@ -583,7 +583,7 @@ def models_handlers() -> tuple[Workbench, ModelsHandlers]:
 
 
 def test_catalogue_shows_every_pair_and_unbuilt_drafters_as_needs_kind(empty_home):
-    from app.registry import load_catalogue
+    from app.catalogue.registry import load_catalogue
     from app.ui.models import catalogue_frame
 
     table = catalogue_frame(Workbench(backend="torch", device="cpu"))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from app.sampling import sample, warp
-from app.types import Draft, SamplingParams
-from app.verify import verify_greedy, verify_sampled
+from app.core.sampling import sample, warp
+from app.core.types import Draft, SamplingParams
+from app.core.verify import verify_greedy, verify_sampled
 
 V = 6
 TRIALS = 30_000

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app import planner
-from app.registry import (
+from app.catalogue import planner
+from app.catalogue.registry import (
     Catalogue,
     HubSource,
     ModelSpec,
@@ -41,6 +41,7 @@ from app.registry import (
     Source,
     load_catalogue,
 )
+from app.core.types import SpecdeckError
 from app.store import hub, mirror
 from app.store.layout import (
     MARKER,
@@ -53,7 +54,6 @@ from app.store.layout import (
     staging_dir,
 )
 from app.store.progress import Progress, ProgressFn, Reporter, TerminalProgress
-from app.types import SpecdeckError
 
 __all__ = ["MARKER", "PairStatus", "Progress", "ProgressFn", "PullResult", "TerminalProgress",
            "delete", "disk_bytes", "home", "human_bytes", "installed_paths", "is_installed",

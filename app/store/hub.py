@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.registry import HubSource
+from app.catalogue.registry import HubSource
+from app.core.types import SpecdeckError
 from app.store.progress import Reporter
-from app.types import SpecdeckError
 
 PROBE_TIMEOUT_S = 5.0
 CHUNK = 2**20

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from app.registry import ModelSpec
+from app.catalogue.registry import ModelSpec
 
 MARKER = ".specdeck-complete.json"
 

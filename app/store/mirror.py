@@ -17,9 +17,9 @@ import zipfile
 from collections import deque
 from pathlib import Path
 
-from app.registry import PypiSource
+from app.catalogue.registry import PypiSource
+from app.core.types import SpecdeckError
 from app.store.progress import Reporter
-from app.types import SpecdeckError
 
 CHUNK = 2**20
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from app.shipped import shipped_path
+from app.catalogue.shipped import shipped_path
 
 ASSETS = shipped_path("assets")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -35,7 +35,7 @@ def add_subcommand(subparsers: Any) -> None:
 
 def _ui(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from app.types import SpecdeckError
+    from app.core.types import SpecdeckError
     from app.ui.workbench import Workbench
 
     started = time.perf_counter()
@@ -66,7 +66,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 def load_at_start(bench: Any, args: argparse.Namespace) -> str:
     """Load --target/--draft or --pair before the page opens; a problem becomes a notice."""
-    from app.types import SpecdeckError
+    from app.core.types import SpecdeckError
     from app.ui.models import load_pair
 
     if args.pair and args.target:
@@ -91,7 +91,7 @@ def load_at_start(bench: Any, args: argparse.Namespace) -> str:
 
 def _is_pair(name: str) -> bool:
     try:
-        from app.registry import load_catalogue
+        from app.catalogue.registry import load_catalogue
         return name in load_catalogue().pairs
     except Exception:  # noqa: BLE001 - no catalogue: the name is a path that does not exist
         return False

@@ -1,8 +1,8 @@
 """The Bench tab: run `specdeck bench` on the loaded models from the page, plot the results.
 
-Knows: app.bench's run_bench / load_prompts / BenchSettings and its report (the JSON
+Knows: app.bench.run's run_bench / load_prompts / BenchSettings and its report (the JSON
 contract), where the last report is kept (SPECDECK_HOME/bench/ui-last.json). Must not know:
-how the benchmark measures (app/bench.py owns that), array libraries.
+how the benchmark measures (app/bench/run.py owns that), array libraries.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 from app.ui.chat import k_control, notice, parse_k
 from app.ui.workbench import Workbench
 
@@ -80,7 +80,7 @@ class BenchHandlers:
     def run(self, prompts: str, limit: float, max_new_tokens: float, drafters: list[str],
             k: str | int) -> Iterator[tuple]:
         """Yield (log, summary, table, tok/s plot, τ plot, notice) while the benchmark runs."""
-        from app import bench as benchmark
+        from app.bench import run as benchmark
 
         if not self.bench.loaded:
             yield _skip(notice("no model is loaded: load one in the Models tab first"))
@@ -156,9 +156,9 @@ def _save(report: dict[str, Any]) -> str:
 
 
 def build_bench_tab(bench: Workbench) -> None:
-    """Lay out the Bench tab; without app.bench it says how to run the CLI."""
+    """Lay out the Bench tab; without app.bench.run it says how to run the CLI."""
     try:
-        from app import bench as benchmark
+        from app.bench import run as benchmark
     except ImportError:
         gr.Markdown(f"The benchmark is not part of this build yet. {CLI_HINT}",
                     elem_id="bench-placeholder")

@@ -15,8 +15,8 @@ from typing import Any
 
 import gradio as gr
 
+from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.loading import chat_ids
-from app.types import Done, SamplingParams, SpecdeckError, Step
 from app.ui.render import (
     POSITIONS,
     Reply,

@@ -1,6 +1,6 @@
 """The Models tab: the pair catalogue, download with progress, load, delete; local files too.
 
-Knows: the catalogue (app.registry), the store's API (list_pairs, pull with a progress
+Knows: the catalogue (app.catalogue.registry), the store's API (list_pairs, pull with a progress
 callback, installed_paths, delete) and the planner's drafter choice with its reasons; how a
 load swaps the Workbench's models. Must not know: array libraries, file formats, sources.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 from app.ui.chat import notice
 from app.ui.render import human_bytes
 from app.ui.workbench import Choice, Workbench
@@ -36,7 +36,7 @@ def pair_status(pair_id: str, bench: Workbench) -> Any:
     rows = store.list_pairs(_store_backend(bench), bench.device, context=FIT_CONTEXT)
     found = [r for r in rows if r.pair.id == pair_id]
     if not found:
-        from app.registry import load_catalogue
+        from app.catalogue.registry import load_catalogue
         load_catalogue().pair(pair_id)  # raises with the known ids
     return found[0]
 
@@ -90,7 +90,8 @@ def pair_details(bench: Workbench, pair_id: str | None) -> str:
     """A pair's card: what it is, its status, and the planner's drafter choice with reasons."""
     if not pair_id:
         return ""
-    from app import planner, store
+    from app import store
+    from app.catalogue import planner
 
     try:
         status = pair_status(pair_id, bench)
@@ -260,7 +261,7 @@ def _catalogue_or_empty(bench: Workbench) -> pd.DataFrame:
 
 def _pair_ids() -> list[str]:
     try:
-        from app.registry import load_catalogue
+        from app.catalogue.registry import load_catalogue
         return list(load_catalogue().pairs)
     except (ImportError, SpecdeckError):
         return []

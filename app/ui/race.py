@@ -16,8 +16,8 @@ from typing import Any
 
 import gradio as gr
 
+from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.loading import chat_ids
-from app.types import Done, SamplingParams, SpecdeckError, Step
 from app.ui.chat import k_control, notice, parse_k, sampling_from, session_of
 from app.ui.render import Reply, escape_verbatim, friendly_error, legend_html, reply_html
 from app.ui.workbench import DRAFTER_CHOICES, Workbench

@@ -13,8 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from app.text import IncrementalDetokenizer
-from app.types import Done, RunStats, Step
+from app.core.text import IncrementalDetokenizer
+from app.core.types import Done, RunStats, Step
 
 # provenance of a committed token (LANDSCAPE: per-token provenance, EAGLE's highlight)
 KINDS = {

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine import SpecEngine
-from app.ngram import NgramDrafter
-from app.pairing import check_vocab_compatible
-from app.types import SpecdeckError
+from app.core.engine import SpecEngine
+from app.core.types import SpecdeckError
+from app.drafters.ngram import NgramDrafter
+from app.drafters.pairing import check_vocab_compatible
 
 # what the app can build today; head kinds join once their drafters exist
 BUILT_DRAFTERS = ("none", "ngram", "draft")

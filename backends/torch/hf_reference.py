@@ -3,7 +3,7 @@
 Knows: transformers' generate() for plain greedy decoding, assisted generation
 (assistant_model, HF's default schedule) and prompt lookup (prompt_lookup_num_tokens), and
 how to time them with a streamer. Must not know: specdeck's engine or the bench's statistics.
-Imports torch: app/bench.py loads it only under --compare-hf, on the torch backend.
+Imports torch: app/bench/run.py loads it only under --compare-hf, on the torch backend.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from transformers import logging as hf_logging
 from transformers.generation.streamers import BaseStreamer
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 METHODS = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10  # the value HF's documentation and the issue's measurements use

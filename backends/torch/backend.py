@@ -21,10 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from app.types import SpecdeckError
-from backends import torch_attention
-from backends.base import Capabilities, TargetOutput, collect_eos_ids
-from backends.torch_quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
+from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
+from app.core.types import SpecdeckError
+from backends.torch import attention as torch_attention
+from backends.torch.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
 # too (per token), on oneDNN's kernels (CPU only). Their other tensors are bf16.
@@ -35,7 +35,7 @@ _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "float32": torch.floa
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 # oneDNN's bf16 matmul takes another path for a single row (2-9 rows gave the same bits per
 # row): padding every forward to 2 rows, with attention made row-invariant by
-# backends/torch_attention.py, makes plain and speculative decoding share numerics.
+# backends/torch/attention.py, makes plain and speculative decoding share numerics.
 BATCH_INVARIANT_ROWS = 2
 
 
@@ -208,7 +208,7 @@ class TorchBackend:
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel,
                             vocab_limit: int = 0) -> Any:
-        from app.draft_model import DraftModelDrafter
+        from app.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
 

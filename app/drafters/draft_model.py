@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.ngram import propose_lookup
-from app.pairing import check_vocab_compatible
-from app.sampling import sample, warp
-from app.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
-from backends.base import Model, TargetOutput
+from app.core.protocols import Model, TargetOutput
+from app.core.sampling import sample, warp
+from app.core.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
+from app.drafters.ngram import propose_lookup
+from app.drafters.pairing import check_vocab_compatible
 
 CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
 # HumanEval, Qwen pair in w8a8, k=4, median of 10 prompts: the model alone 1.43x plain, with

@@ -1,8 +1,8 @@
 """Model-based drafters on MLX: the shared DraftModelDrafter with greedy chains on the device.
 
 Knows: mlx arrays and MlxSession.logits (lazy device logits). Must not know: verification or
-the target's cache. Everything but the greedy chain is app/draft_model.py's: greedy drafts are
-fed back as lazy device arrays and read back once per step, not once per token.
+the target's cache. Everything but the greedy chain is app/drafters/draft_model.py's: greedy
+drafts are fed back as lazy device arrays and read back once per step, not once per token.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from app.draft_model import DraftModelDrafter as _SharedDrafter
+from app.drafters.draft_model import DraftModelDrafter as _SharedDrafter
 
 
 class DraftModelDrafter(_SharedDrafter):

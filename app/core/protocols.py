@@ -3,7 +3,7 @@
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
 from a drafter (Drafter); what a forward pass returns (TargetOutput); what a backend can do
 (Capabilities). Must not know: torch, mlx, transformers. Adapters in this package implement
-these protocols; the engine in app/engine.py consumes them.
+these protocols; the engine in app/core/engine.py consumes them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from app.types import Draft, SamplingParams
+from app.core.types import Draft, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from app import prometheus
-from app.types import Done, RunStats, SamplingParams, SpecdeckError, Step, StopReason
+from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step, StopReason
+from app.serve import prometheus
 
 ENGINES = ("auto", "specdeck", "vllm", "sglang", "llama.cpp", "openai")
 OWNERS = {"specdeck": "specdeck", "vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}
@@ -117,7 +117,7 @@ def stats_from_llama(timings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stats_from_specdeck(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """RunStats fields from specdeck serve's `speculative` object (app/server.py)."""
+    """RunStats fields from specdeck serve's `speculative` object (app/serve/server.py)."""
     return {"drafted": spec["num_draft_tokens"], "accepted": spec["num_accepted_draft_tokens"],
             "target_forwards": spec["num_spec_steps"],
             "accepted_per_position": tuple(spec["accepted_per_position"]),

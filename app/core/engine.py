@@ -2,8 +2,8 @@
 
 Knows: the step (propose -> verify forward -> accept/reject -> rewind -> tell the drafter),
 the pending-token invariant, stop rules, metrics and events. Must not know: array
-libraries; it talks to a Model, its Session and a Drafter through backends/base.py and
-samples through app/sampling.py.
+libraries; it talks to a Model, its Session and a Drafter through app/core/protocols.py and
+samples through app/core/sampling.py.
 
 Pending-token invariant: the session's cache holds every committed token except the last,
 the pending token, which leads the next verify batch [pending, d1 .. dk].
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.adaptive import KController
-from app.ngram import NoDrafter
-from app.sampling import sample, warp
-from app.text import IncrementalDetokenizer
-from app.types import (
+from app.core.adaptive import KController
+from app.core.protocols import Drafter, Model, TargetOutput
+from app.core.sampling import sample, warp
+from app.core.text import IncrementalDetokenizer
+from app.core.types import (
     Done,
     Draft,
     RunStats,
@@ -32,8 +32,8 @@ from app.types import (
     StopReason,
     common_prefix_length,
 )
-from app.verify import verify_greedy, verify_sampled
-from backends.base import Drafter, Model, TargetOutput
+from app.core.verify import verify_greedy, verify_sampled
+from app.drafters.ngram import NoDrafter
 
 Event = Step | Done
 

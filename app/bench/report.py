@@ -1,6 +1,6 @@
 """The bench report's faces: the machine it names, the human table, the one-line JSON, the plot.
 
-Knows: the report dict that app/bench.py builds (schema specdeck.bench/1). Must not know:
+Knows: the report dict that app/bench/run.py builds (schema specdeck.bench/1). Must not know:
 models, engines or how the numbers were measured.
 """
 
@@ -12,7 +12,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 SCHEMA = "specdeck.bench/1"
 ALL = "all"  # the category name of the overall row

@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
 DRAFTERS = ("none", "ngram", "draft", "eagle3", "mtp", "dflash", "medusa")
 PORTS = {"vllm": 8000, "sglang": 30000, "llama.cpp": 8080}  # each engine's own default
-NGRAM_MIN, NGRAM_MAX = 1, 4  # specdeck's prompt-lookup window (app/ngram.py)
+NGRAM_MIN, NGRAM_MAX = 1, 4  # specdeck's prompt-lookup window (app/drafters/ngram.py)
 VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model", "eagle3": "eagle3", "mtp": "mtp",
                 "dflash": "dflash", "medusa": "medusa"}
 SGLANG_ALGORITHMS = {"ngram": "NGRAM", "draft": "STANDALONE", "eagle3": "EAGLE3",
@@ -156,8 +156,8 @@ def _need(value: str | None, engine: str, what: str) -> str:
 # ---- where a pairing comes from ---------------------------------------------------------
 
 def from_catalogue(pair_id: str) -> Pairing:
-    """A catalogue pair (models.yaml, read by app/registry.py) as engine-facing names."""
-    from app.registry import load_catalogue
+    """A catalogue pair (models.yaml, read by app/catalogue/registry.py) as engine-facing names."""
+    from app.catalogue.registry import load_catalogue
 
     pair = load_catalogue().pair(pair_id)
     draft = pair.drafter

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.sampling import sample
-from app.types import Draft, Verdict
+from app.core.sampling import sample
+from app.core.types import Draft, Verdict
 
 
 def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
@@ -28,7 +28,7 @@ def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> 
 def verify_sampled(draft: Draft, target_probs: np.ndarray, rng: np.random.Generator) -> Verdict:
     """Rejection sampling: accept d_i with min(1, p_i(d_i) / q_i(d_i)).
 
-    target_probs: [len(draft.tokens) + 1, vocab], already warped by app.sampling.warp.
+    target_probs: [len(draft.tokens) + 1, vocab], already warped by app.core.sampling.warp.
     On the first rejection the recovered token is drawn from normalise(max(p - q, 0)); when
     every draft survives the bonus token is drawn from the last row.
     """

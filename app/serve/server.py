@@ -2,7 +2,7 @@
 
 Knows: the OpenAI response shapes (/v1/models, /v1/chat/completions, /v1/completions, SSE
 streaming), the `speculative` object (vLLM's per-request stat names where they exist), FastAPI
-and uvicorn; request bodies are app/openai_requests.py's, /metrics app/server_metrics.py's.
+and uvicorn; request bodies are app/serve/requests.py's, /metrics app/serve/metrics.py's.
 Must not know: array libraries or the step loop; it consumes engine.generate's Step and Done
 events.
 
@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.cli import add_model_arguments
-from app.ngram import NgramDrafter, NoDrafter
-from app.openai_requests import (
+from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
+from app.drafters.ngram import NgramDrafter, NoDrafter
+from app.serve.metrics import FINISH, Metrics
+from app.serve.requests import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -38,8 +40,6 @@ from app.openai_requests import (
     error_body,
     parse_request,
 )
-from app.server_metrics import FINISH, Metrics
-from app.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 
 DEFAULT_K = 4  # k for a per-request drafter when the server itself runs without one
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -3,7 +3,7 @@
 Knows: mlx-lm's model loading (HF-format folders: mlx-community repos, quantized or not, and
 the safetensors folder the torch backend converts a GGUF into), its cache classes and their
 trim contract, MLX devices, dtypes and memory counters, layer hooks for hidden-state capture.
-Must not know: drafting or verification rules (app/), sampling (app/sampling.py turns the
+Must not know: drafting or verification rules (app/), sampling (app/core/sampling.py turns the
 host logits of both backends into probabilities, so plain and speculative decoding share one
 pipeline on MLX too; mlx-lm's own sampler, which filters before temperature, is not used).
 """
@@ -23,8 +23,8 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 from transformers import AutoTokenizer
 
-from app.types import SpecdeckError
-from backends.base import Capabilities, TargetOutput, collect_eos_ids
+from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
+from app.core.types import SpecdeckError
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # the folder torch_backend.convert_gguf writes next to a .gguf
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
@@ -179,7 +179,7 @@ class MlxBackend:
         return MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
 
     def draft_model_drafter(self, target: MlxModel, draft: MlxModel, vocab_limit: int = 0) -> Any:
-        from backends.mlx_drafters import DraftModelDrafter
+        from backends.mlx.drafters import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
 
@@ -202,7 +202,7 @@ def _hf_folder(path: Path) -> Path:
 def _convert_with_torch(gguf: Path, dest: Path) -> None:
     # MLX cannot read k-quant GGUF blocks; the torch backend dequantizes them once
     try:
-        from backends.torch_backend import convert_gguf
+        from backends.torch.backend import convert_gguf
     except ImportError as error:
         raise SpecdeckError(f"{gguf.name} must be converted to safetensors once, which needs "
                             "the torch extra: pip install 'specdeck[torch]', then run again "

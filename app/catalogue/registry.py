@@ -1,8 +1,8 @@
 """Read and validate models.yaml into frozen specs: ModelSpec, PairSpec and their sources.
 
 Knows: the catalogue's schema, the drafter kinds and which of them specdeck implements, and
-how to point at a mistake (file, line, field). Must not know: downloads (app/store.py),
-memory (app/planner.py), array libraries.
+how to point at a mistake (file, line, field). Must not know: downloads (app/store/),
+memory (app/catalogue/planner.py), array libraries.
 
 API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by default);
 `Catalogue.pair(pair_id) -> PairSpec` (unknown ids are refused with the known ids);
@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from app.shipped import shipped_path
-from app.types import SpecdeckError
+from app.catalogue.shipped import shipped_path
+from app.core.types import SpecdeckError
 
 CATALOGUE = shipped_path("models.yaml")
 BACKENDS = ("torch", "mlx")

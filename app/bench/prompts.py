@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.shipped import shipped_path
-from app.types import SpecdeckError
+from app.catalogue.shipped import shipped_path
+from app.core.types import SpecdeckError
 
 ASSETS = shipped_path("assets/prompts")
 PROMPT_SETS = ("spec-bench", "mt-bench", "humaneval", "humaneval-rewrite")

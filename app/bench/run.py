@@ -14,10 +14,10 @@ split, the engine's own overhead per step (other_s / steps: everything but the f
 peak memory, and under greedy decoding whether every output equals plain's (else the first
 divergence per prompt). It prints a table; the very last line of stdout is one JSON object.
 `--compare-hf` runs HF transformers' own generate() (plain, assisted, prompt lookup) in the
-same interleaved loop (backends/hf_reference.py).
+same interleaved loop (backends/torch/hf_reference.py).
 
-Knows: the Model/Drafter protocols, RunStats, prompt sets through app/prompt_sets.py; the
-report's table, JSON line and plot are app/bench_report.py's. Must not know: array libraries
+Knows: the Model/Drafter protocols, RunStats, prompt sets through app/bench/prompts.py; the
+report's table, JSON line and plot are app/bench/report.py's. Must not know: array libraries
 (models come from a backend; the HF reference is imported only when asked).
 """
 
@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.bench_report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
+from app.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompts
+from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
 from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
-from app.engine import SpecEngine
+from app.core.engine import SpecEngine
+from app.core.types import Done, SamplingParams, SpecdeckError, common_prefix_length
+from app.drafters.ngram import NgramDrafter
 from app.loading import encode_prompt
-from app.ngram import NgramDrafter
-from app.prompt_sets import PROMPT_SETS, BenchPrompt, load_prompts
-from app.types import Done, SamplingParams, SpecdeckError, common_prefix_length
 
 DRAFTER_KINDS = ("none", "ngram", "draft", "auto")
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
@@ -106,7 +106,7 @@ class _EngineRunner:
 
 class _HfRunner:
     def __init__(self, config: Config, target: Any, draft: Any) -> None:
-        from backends import hf_reference  # imports torch: only under --compare-hf
+        from backends.torch import hf_reference  # imports torch: only under --compare-hf
         self.config, self.target, self.draft, self._hf = config, target, draft, hf_reference
 
     def run(self, prompt: BenchPrompt, ids: list[int], params: SamplingParams,
@@ -147,7 +147,7 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
                 continue
             runners.append(_EngineRunner(Config(name, resolved, k), engine))
     if settings.compare_hf:
-        from backends.hf_reference import METHODS
+        from backends.torch.hf_reference import METHODS
         for method in METHODS:
             if method == "hf-assisted" and draft is None:
                 unavailable[method] = "needs a draft model (--draft or --pair)"
@@ -502,7 +502,8 @@ def _model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _pair_paths(pair_id: str, backend: str, draft: str | None) -> tuple[str, str | None]:
     """The installed files of a catalogue pair; its draft model only when it drafts with one."""
-    from app import registry, store
+    from app import store
+    from app.catalogue import registry
 
     pair = registry.load_catalogue().pair(pair_id)
     target, draft_model = store.installed_paths(pair_id, None if backend == "auto" else backend,

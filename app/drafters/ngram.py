@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.types import Draft, SamplingParams
+from app.core.types import Draft, SamplingParams
 
 
 def propose_lookup(context: Sequence[int], k: int, min_n: int = 1,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.registry import (
+from app.catalogue.registry import (
     FORMAT_BITS,
     IMPLEMENTED_KINDS,
     Arch,
@@ -43,7 +43,7 @@ from app.registry import (
     PairSpec,
     load_catalogue,
 )
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default

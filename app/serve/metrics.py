@@ -1,13 +1,13 @@
 """The server's /metrics: vLLM's spec_decode_* counters and request gauges, as Prometheus text.
 
-Knows: RunStats and Done, the OpenAI finish reasons, app/prometheus.py's renderer. Must not
+Knows: RunStats and Done, the OpenAI finish reasons, app/serve/prometheus.py's renderer. Must not
 know: HTTP frameworks or engines.
 """
 
 import threading
 
-from app import prometheus
-from app.types import Done
+from app.core.types import Done
+from app.serve import prometheus
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort",
           "error": "error"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.types import SamplingParams
+from app.core.types import SamplingParams
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

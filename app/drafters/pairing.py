@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.types import SpecdeckError
+from app.core.types import SpecdeckError
 
 MAX_PADDING_DIFFERENCE = 1024  # Qwen2.5-7B pads to 152064 rows, its 0.5B to 151936
 

@@ -1,0 +1,2 @@
+"""`specdeck bench`: interleaved runs, the prompt sets and the report.
+"""

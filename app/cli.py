@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app import drafters
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
@@ -27,7 +28,6 @@ DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 dr
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
     "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe")
-DRAFTERS = ("none", "ngram", "draft", "auto")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a target and a drafter."""
     p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+    p.add_argument("--drafter", choices=drafters.CHOICES, default="ngram",
                    help="how draft tokens are proposed (none = plain decoding)")
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft")
     p.add_argument("--k", type=k_value, default=4,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from app.drafters.ngram import NgramDrafter
 from backends import load_backend
 
 
@@ -21,6 +21,8 @@ class Loaded:
     drafter_name: str
     backend_name: str
     notes: tuple[str, ...] = ()  # why this drafter (the planner's reasons for --drafter auto)
+    draft: Any = None  # the loaded draft model, when the drafter uses one
+    backend: Any = None
 
 
 def load_engine(args: Any) -> Loaded:
@@ -32,26 +34,27 @@ def load_engine(args: Any) -> Loaded:
     drafter_kind = args.drafter
     pair = _installed_pair(args.target, args.backend)
     draft_path = args.draft or (str(pair[1]) if pair and pair[1] else None)
-    if drafter_kind == "draft" and not draft_path:
-        raise SpecdeckError("--drafter draft needs --draft PATH (a small model of the same family)")
+    if drafter_kind in drafters.NEEDS_DRAFT_MODEL and not draft_path:
+        raise SpecdeckError(f"--drafter {drafter_kind} needs --draft PATH (a small model of the "
+                            "same family)")
     backend = load_backend(args.backend)
     target_path = str(pair[0]) if pair else args.target
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
     notes: tuple[str, ...] = ()
     if drafter_kind == "auto":
         drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft)
-    if drafter_kind == "none" or args.k == 0:
-        drafter, name = None, "none"
-    elif drafter_kind == "ngram":
-        drafter, name = NgramDrafter(), "ngram"
-    else:
+        drafter_kind = drafters.RUN_AS.get(drafter_kind, drafter_kind)
+    if args.k == 0:
+        drafter_kind = "none"
+    draft = None
+    if drafter_kind in drafters.NEEDS_DRAFT_MODEL:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
-        vocab_limit = getattr(args, "draft_vocab", 0)
-        drafter = backend.draft_model_drafter(target, draft, vocab_limit=vocab_limit)
-        name = "draft"
-    engine = SpecEngine(target, drafter, k=args.k)
-    return Loaded(engine=engine, drafter_name=name, backend_name=backend.name, notes=notes)
+    drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
+                                     vocab_limit=getattr(args, "draft_vocab", 0))
+    engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k)
+    return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
+                  notes=notes, draft=draft, backend=backend)
 
 
 def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
@@ -75,10 +78,10 @@ def _auto_drafter(args: Any, backend: str, draft_path: str | None
     from app.catalogue import planner
 
     if draft_path:
-        return "draft", draft_path, (f"drafter: draft {draft_path} (given)",)
+        return "chain", draft_path, (f"drafter: lookup, then the draft {draft_path} (given)",)
     try:
         plan = planner.plan(args.target, backend, args.device,
-                            implemented=frozenset({"ngram", "draft"}),  # what this file builds
+                            implemented=drafters.IMPLEMENTED,
                             installed=lambda model: store.model_path(model, backend))
     except SpecdeckError as error:
         return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)

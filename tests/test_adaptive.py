@@ -83,7 +83,7 @@ def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
         engine = SpecEngine(target, drafter, k="auto")
         done = list(engine.generate(prompt, params))[-1]
         assert done.token_ids == plain.token_ids, drafter.name
-        assert engine.controller.verify_s, "the verify cost curve was probed"
+        assert engine.controller(drafter, "auto").verify_s, "the verify cost curve was probed"
 
 
 BLOCKY = {1: 0.10, 2: 0.11, 3: 0.12, 4: 0.13, 5: 0.30}  # cheap up to 4 rows, then a jump

@@ -93,11 +93,11 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
 
 
 def test_greedy_accepts_the_matching_prefix_then_emits_the_target_argmax():
-    assert verify_greedy((4, 2, 9), (4, 2, 7, 1)) .n_accepted == 2
-    assert verify_greedy((4, 2, 9), (4, 2, 7, 1)).next_token == 7
-    bonus = verify_greedy((4, 2), (4, 2, 5))
+    assert verify_greedy(Draft((4, 2, 9)), (4, 2, 7, 1)).n_accepted == 2
+    assert verify_greedy(Draft((4, 2, 9)), (4, 2, 7, 1)).next_token == 7
+    bonus = verify_greedy(Draft((4, 2)), (4, 2, 5))
     assert (bonus.n_accepted, bonus.next_token, bonus.is_bonus) == (2, 5, True)
-    assert verify_greedy((), (8,)).next_token == 8
+    assert verify_greedy(Draft(), (8,)).next_token == 8
 
 
 def test_draft_probabilities_over_a_padded_vocabulary_are_cut_to_the_target():

@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app import drafters
 from app.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompts
 from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
 from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
-from app.core.engine import SpecEngine
-from app.core.types import Done, SamplingParams, SpecdeckError, common_prefix_length
-from app.drafters.ngram import NgramDrafter
+from app.core.engine import SpecEngine, last_done
+from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
 from app.loading import encode_prompt
 
-DRAFTER_KINDS = ("none", "ngram", "draft", "auto")
+DRAFTER_KINDS = drafters.CHOICES
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
 
 
@@ -92,12 +92,16 @@ class Record:
 
 
 class _EngineRunner:
-    def __init__(self, config: Config, engine: SpecEngine) -> None:
-        self.config, self.engine = config, engine
+    """One configuration on the target's one engine: its drafter and k, passed per call."""
+
+    def __init__(self, config: Config, engine: SpecEngine, drafter: Any = None) -> None:
+        self.config, self.engine, self.drafter = config, engine, drafter
 
     def run(self, prompt: BenchPrompt, ids: list[int], params: SamplingParams,
             repeat: int) -> Record:
-        done = _last_event(self.engine.generate(ids, params))
+        self.engine.session.rewind(0)  # every configuration reads the whole prompt itself
+        done = last_done(self.engine.generate(ids, params, drafter=self.drafter,
+                                              k=self.config.k if self.drafter else 0))
         s = done.stats
         return Record(self.config.name, prompt.id, prompt.category, repeat, done.token_ids,
                       s.decode_tok_s, s.decode_s, max(s.n_new_tokens - 1, 0),
@@ -118,34 +122,27 @@ class _HfRunner:
                       r.total_s, None)
 
 
-def _last_event(events: Iterable[Any]) -> Done:
-    done = None
-    for event in events:
-        if isinstance(event, Done):
-            done = event
-    if done is None:
-        raise SpecdeckError("the engine ended without a Done event")
-    return done
-
-
 def build_runners(target: Any, settings: BenchSettings, backend: Any = None, draft: Any = None
                   ) -> tuple[list[Any], dict[str, str]]:
     """Runners for plain plus each (drafter, k), and the configurations that are unavailable."""
-    runners: list[Any] = [_EngineRunner(Config("plain", "none", 0), SpecEngine(target))]
+    engine = SpecEngine(target)  # one engine, one cache: configurations differ per call
+    runners: list[Any] = [_EngineRunner(Config("plain", "none", 0), engine)]
     unavailable: dict[str, str] = {}
     for kind in dict.fromkeys(settings.drafters):
         if kind == "none":
             continue
-        resolved = ("draft" if draft is not None else "ngram") if kind == "auto" else kind
+        resolved = ("chain" if draft is not None else "ngram") if kind == "auto" else kind
+        try:
+            drafter = drafters.build_drafter(resolved, target, backend=backend, draft=draft,
+                                             vocab_limit=settings.draft_vocab)
+        except (SpecdeckError, TypeError, ValueError) as error:
+            drafter, why = None, f"{type(error).__name__}: {error}"
         for k in settings.ks:
             name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
-            try:
-                drafter = _make_drafter(resolved, target, backend, draft, settings.draft_vocab)
-                engine = SpecEngine(target, drafter, k=k)  # type: ignore[arg-type]
-            except (SpecdeckError, TypeError, ValueError) as error:
-                unavailable[name] = f"{type(error).__name__}: {error}"
+            if drafter is None:
+                unavailable[name] = why
                 continue
-            runners.append(_EngineRunner(Config(name, resolved, k), engine))
+            runners.append(_EngineRunner(Config(name, resolved, k), engine, drafter))
     if settings.compare_hf:
         from backends.torch.hf_reference import METHODS
         for method in METHODS:
@@ -154,17 +151,6 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
                 continue
             runners.append(_HfRunner(Config(method, method, "hf"), target, draft))
     return runners, unavailable
-
-
-def _make_drafter(kind: str, target: Any, backend: Any, draft: Any, draft_vocab: int = 0
-                  ) -> Any:
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "draft":
-        if draft is None or backend is None:
-            raise SpecdeckError("the draft drafter needs a draft model: give --draft or --pair")
-        return backend.draft_model_drafter(target, draft, vocab_limit=draft_vocab)
-    raise SpecdeckError(f"unknown drafter {kind!r}: use {', '.join(DRAFTER_KINDS)}")
 
 
 # ---------------------------------------------------------------- the interleaved run

@@ -15,10 +15,11 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from app import drafters
 from app.core.types import SpecdeckError
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
-DRAFTERS = ("none", "ngram", "draft", "eagle3", "mtp", "dflash", "medusa")
+DRAFTERS = drafters.KINDS
 PORTS = {"vllm": 8000, "sglang": 30000, "llama.cpp": 8080}  # each engine's own default
 NGRAM_MIN, NGRAM_MAX = 1, 4  # specdeck's prompt-lookup window (app/drafters/ngram.py)
 VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model", "eagle3": "eagle3", "mtp": "mtp",

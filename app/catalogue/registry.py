@@ -22,15 +22,15 @@ from typing import Any
 
 import yaml
 
+from app import drafters
 from app.catalogue.shipped import shipped_path
 from app.core.types import SpecdeckError
 
 CATALOGUE = shipped_path("models.yaml")
 BACKENDS = ("torch", "mlx")
-KINDS = ("ngram", "draft", "eagle3", "mtp", "medusa", "dflash", "lookahead")
-MODEL_KINDS = frozenset({"draft", "eagle3", "dflash", "medusa"})  # drafter is its own model
-# kinds a backend can run today; a drafter helper adds its kind here when it lands
-IMPLEMENTED_KINDS = frozenset({"ngram", "draft"})
+KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists them all
+MODEL_KINDS = drafters.OWN_MODEL
+IMPLEMENTED_KINDS = drafters.IMPLEMENTED
 # bits per parameter on disk, to estimate a download whose exact size is not listed
 FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,
                "gguf-q4_k_m": 5.8, "gguf-q4_1": 5.9, "mlx-4bit": 4.5}

@@ -31,7 +31,9 @@ class KController:
     explore_every: int = 16
     max_explore_gap: int = 256
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
-    draft_token_s: float | None = None  # seconds per drafted token (EMA); None: not seen yet
+    # seconds per drafted token (EMA) for each drafter that proposed (a chain's members each
+    # have their own): a free lookup must not make model drafting look free
+    draft_costs: dict[str, float] = field(default_factory=dict)
     overhead_s: float = 0.0  # per-step time outside draft and verify (EMA)
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
@@ -58,6 +60,15 @@ class KController:
             survive *= a
             total += survive
         return total
+
+    @property
+    def draft_token_s(self) -> float | None:
+        """The dearest member's cost per draft token (None: no draft seen yet).
+
+        k is chosen before a chain knows which member will draft, so it is priced for the
+        member that costs most: the one that runs whenever the cheap ones have nothing.
+        """
+        return max(self.draft_costs.values()) if self.draft_costs else None
 
     def step_seconds(self, k: int) -> float:
         draft = k * (self.draft_token_s or 0.0)
@@ -106,14 +117,19 @@ class KController:
         return best
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
-                other_s: float) -> None:
-        """Fold one step's outcome and timings into the estimates."""
-        rows = n_drafted + 1
+                other_s: float, source: str = "", rows: int | None = None) -> None:
+        """Fold one step's outcome and timings into the estimates.
+
+        source: the drafter that proposed; rows: the verify forward's rows when the draft was
+        a tree (n_drafted is then its depth), else n_drafted + 1.
+        """
+        rows = rows or n_drafted + 1
         old = self.verify_s.get(rows)
         self.verify_s[rows] = _ema(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
-            self.draft_token_s = _ema(self.draft_token_s, draft_s / n_drafted)
+            cost = self.draft_costs.get(source)
+            self.draft_costs[source] = _ema(cost, draft_s / n_drafted)
         for j in range(self.k_max):
             self._reached[j] *= self.decay
             self._accepted[j] *= self.decay

@@ -25,6 +25,7 @@ from app.core.text import IncrementalDetokenizer
 from app.core.types import (
     Done,
     Draft,
+    DrafterStats,
     RunStats,
     SamplingParams,
     SpecdeckError,
@@ -36,6 +37,9 @@ from app.core.verify import verify_greedy, verify_sampled
 from app.drafters.ngram import NoDrafter
 
 Event = Step | Done
+# draft tokens per step at most: acceptance of a 33rd token is negligible for any drafter we
+# know, and backends size their exact verify paths for k + 1 rows (backends/torch/exactness.py)
+MAX_K = 32
 
 
 @dataclass
@@ -57,13 +61,16 @@ class _Tally:
     decode_start: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    members: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter name
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
-        width = max(self.k, n_drafted)
+    def record(self, n_drafted: int, depth: int, n_accepted: int, source: str,
+               draft_s: float) -> None:
+        """One verify step: n_drafted nodes reaching `depth` (a chain: both its length)."""
+        width = max(self.k, depth)
         for counts in (self.drafted_at, self.accepted_at):
             counts.extend([0] * (width - len(counts)))
         self.histogram.extend([0] * (width + 1 - len(self.histogram)))
-        for j in range(n_drafted):
+        for j in range(depth):
             self.drafted_at[j] += 1
         for j in range(n_accepted):
             self.accepted_at[j] += 1
@@ -71,6 +78,11 @@ class _Tally:
         self.forwards += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
+        if n_drafted:
+            member = self.members.setdefault(source, DrafterStats(source))
+            self.members[source] = DrafterStats(
+                source, steps=member.steps + 1, drafted=member.drafted + n_drafted,
+                accepted=member.accepted + n_accepted, draft_s=member.draft_s + draft_s)
 
     def freeze(self, n_new: int, peak: int) -> RunStats:
         decode_s = time.perf_counter() - self.decode_start if self.decode_start else 0.0
@@ -82,7 +94,7 @@ class _Tally:
             accepted_length_histogram=tuple(self.histogram), prefill_s=self.prefill_s,
             ttft_s=self.ttft_s, decode_s=decode_s, draft_s=self.draft_s,
             verify_s=self.verify_s, speculation_off_steps=self.off_steps,
-            peak_memory_bytes=peak)
+            peak_memory_bytes=peak, drafters=tuple(self.members.values()))
 
 
 class _StopRules:
@@ -140,23 +152,25 @@ class _StopRules:
 
 
 class SpecEngine:
-    """Runs generations on one target with one drafter; reuses the cached prompt prefix.
+    """The decoding loop over one loaded target: one session, so one KV cache, whatever
+    drafter a call uses; the cached prompt prefix is reused across calls and drafters.
 
-    One generation at a time per engine: callers serialise access (the UI's queue, the
-    server's per-model lock).
+    `drafter` and `k` given here are defaults; each `generate` call may pass its own. One
+    generation at a time: a second concurrent `generate` is refused. Callers that want to
+    queue hold `lock` around the whole generation (the UI's busy lock, the server's).
     """
 
     def __init__(self, target: Model, drafter: Drafter | None = None, k: int | str = 4,
                  k_max: int = 8) -> None:
-        if k != "auto" and (not isinstance(k, int) or k < 0):
-            raise SpecdeckError(f"k must be an integer >= 0 or 'auto' (got {k!r})")
+        _check_k(k)
         self.target = target
         self.drafter: Drafter = drafter or NoDrafter()
-        # k="auto": the controller picks k per step from measured costs and acceptance
-        self.controller = KController(k_max=k_max) if k == "auto" and drafter else None
         self.k: int | str = k if drafter is not None else 0
-        self.session = target.start(capture_layers=self.drafter.capture_layers)
-        self._cached: list[int] = []  # token ids held in the session's cache, in order
+        self.k_max_default = k_max
+        self.session = target.start()
+        self._controllers: dict[str, KController] = {}  # k="auto" state, per drafter name
+        self._verify_costs: dict[int, float] = {}  # rows -> seconds, probed once
+        self._running = threading.Lock()
         self.lock = threading.Lock()
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
@@ -169,24 +183,60 @@ class SpecEngine:
                 f"the prompt has {len(prompt_ids)} tokens but {self.target.name} takes at most "
                 f"{ctx} (prompt and reply together): shorten the prompt or clear the history")
 
+    def controller(self, drafter: Drafter | None = None, k: int | str | None = None
+                   ) -> KController | None:
+        """The k controller a call with this drafter and k uses (None unless k is "auto")."""
+        drafter = drafter or self.drafter
+        k = self.k if k is None else k
+        if k != "auto" or isinstance(drafter, NoDrafter):
+            return None
+        if drafter.name not in self._controllers:
+            self._controllers[drafter.name] = KController(k_max=self.k_max_default)
+        return self._controllers[drafter.name]
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Yield a Step per engine step, then one Done. Errors become Done(stop_reason='error')."""
+                 cancel: threading.Event | None = None, *, drafter: Drafter | None = None,
+                 k: int | str | None = None) -> Iterator[Event]:
+        """Decode a reply to prompt_ids, speculatively when a drafter is given.
+
+        Args: drafter and k default to the engine's own; k is a count or "auto" (chosen per
+        step by a controller kept per drafter name). cancel, when set, ends the generation
+        after the current step with stop_reason "cancelled".
+        Yields: a Step per engine step (the first is the prefill's token), then one Done;
+        errors become Done(stop_reason="error"). On exit, however it ends, the session
+        holds the prompt and every committed token but the last (the pending token).
+        """
         self.check_prompt(prompt_ids)
+        if drafter is None:
+            drafter, k = self.drafter, (self.k if k is None else k)
+        _check_k(4 if k is None else k)
+        if not self._running.acquire(blocking=False):
+            raise SpecdeckError("this model is already generating: wait for it or stop it")
+        try:
+            yield from self._generate(prompt_ids, params, cancel, drafter, k)
+        finally:
+            self._running.release()
+
+    def _generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                  cancel: threading.Event | None, drafter: Drafter, k: int | str | None
+                  ) -> Iterator[Event]:
+        k = 4 if k is None else k
+        call = _Call(drafter=drafter, k=k, controller=self.controller(drafter, k))
         prompt = [int(t) for t in prompt_ids]
         limit = min(params.max_new_tokens, self.target.context_length - len(prompt))
         rng = np.random.default_rng(params.seed)
         rules = _StopRules(self.target, params, limit)
         output: list[int] = []
         from_draft: list[bool] = []
-        reuse = min(common_prefix_length(self._cached, prompt), len(prompt) - 1)
-        tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=self.k_max)
+        reuse = min(common_prefix_length(self.session.tokens, prompt), len(prompt) - 1)
+        tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=call.k_max)
         try:
-            self._rewind(reuse)
-            if self.controller is not None and not self.controller.verify_s:
-                self._probe_verify_costs(prompt[0])
+            self.session.rewind(reuse)
+            if call.controller is not None and not call.controller.verify_s:
+                call.controller.seed_costs(self._probe_verify_costs(prompt[0], call.k_max))
             start = time.perf_counter()
-            first_out = self._forward(prompt[reuse:], n_logits=1)
+            first_out = self.session.forward(prompt[reuse:], n_logits=1,
+                                             capture=drafter.capture_layers)
             first = self._choose(first_out, params, rng)
             tally.prefill_s = tally.ttft_s = time.perf_counter() - start
             tally.decode_start = time.perf_counter()
@@ -198,7 +248,7 @@ class SpecEngine:
                 # the drafter reads the prompt after the first token is out: prefill work
                 # (a long prompt took a 0.5B drafter seconds here), timed as prefill
                 t0 = time.perf_counter()
-                self.drafter.begin(prompt, first_out, params, rng)
+                drafter.begin(prompt, first_out, params, rng)
                 spent = time.perf_counter() - t0
                 tally.prefill_s += spent
                 tally.decode_start += spent
@@ -207,13 +257,13 @@ class SpecEngine:
                 if cancel is not None and cancel.is_set():
                     reason = "cancelled"
                     break
-                new, flags, n_drafted, reason = self._step_once(context, limit, params, rng,
-                                                                rules, tally)
-                output.extend(new)
-                from_draft.extend(flags)
-                context.extend(new)
-                yield self._step(tuple(new), tuple(flags), n_drafted, rules, tally, len(output),
-                                 reason)
+                result = self._step_once(call, context, limit, params, rng, rules, tally)
+                output.extend(result.tokens)
+                from_draft.extend(result.from_draft)
+                context.extend(result.tokens)
+                reason = result.reason
+                yield self._step(result.tokens, result.from_draft, result.n_drafted, rules,
+                                 tally, len(output), reason)
         except Exception as error:  # noqa: BLE001 - reported as an event, state restored below
             yield Done(text=rules.final_text(), token_ids=tuple(output), stop_reason="error",
                        stats=tally.freeze(len(output), self.target.peak_memory_bytes()),
@@ -221,38 +271,42 @@ class SpecEngine:
             return
         finally:
             # the cache keeps committed tokens minus the pending one, whatever happened
-            committed = len(prompt) + len(output) - 1 if output else len(self._cached)
-            self._rewind(min(committed, len(self._cached)))
+            committed = len(prompt) + len(output) - 1 if output else self.session.length
+            self.session.rewind(min(committed, self.session.length))
         yield Done(text=rules.final_text(), token_ids=tuple(output), stop_reason=reason,
                    stats=tally.freeze(len(output), self.target.peak_memory_bytes()),
                    from_draft=tuple(from_draft))
 
-    def _step_once(self, context: list[int], limit: int, params: SamplingParams,
-                   rng: np.random.Generator, rules: _StopRules, tally: _Tally
-                   ) -> tuple[list[int], list[bool], int, StopReason | None]:
-        """One propose -> verify -> rewind -> accept step; returns the committed tokens."""
+    def _step_once(self, call: _Call, context: list[int], limit: int, params: SamplingParams,
+                   rng: np.random.Generator, rules: _StopRules, tally: _Tally) -> _StepResult:
+        """One propose -> verify -> keep -> accept step; returns the committed tokens."""
         n_output = len(context) - tally.n_prompt
-        chosen = self.controller.choose() if self.controller is not None else int(self.k)
+        chosen = call.controller.choose() if call.controller is not None else int(call.k)
         # never draft past the token limit: the step also commits one target token
         k = min(chosen, limit - n_output - 1)
-        tally.off_steps += chosen == 0 and self.controller is not None
+        tally.off_steps += chosen == 0 and call.controller is not None
         t0 = time.perf_counter()
-        draft = self.drafter.propose(context, k) if k > 0 else Draft()
-        draft = _clip(draft, k)
+        draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
+        if draft.is_tree and not self.target.capabilities.tree_attention:
+            draft = draft.first_chain()  # this backend verifies chains only
         t1 = time.perf_counter()
         n_cached = len(context) - 1
-        out = self._forward([context[-1], *draft.tokens], n_logits=len(draft.tokens) + 1)
-        verdict = (verify_greedy(draft.tokens, out.argmax) if params.greedy else
+        out = self.session.forward([context[-1], *draft.tokens], n_logits=len(draft.tokens) + 1,
+                                   parents=draft.row_parents() if draft.is_tree else None,
+                                   capture=call.drafter.capture_layers)
+        verdict = (verify_greedy(draft, out.argmax) if params.greedy else
                    verify_sampled(draft, warp(out.host_logits(), params), rng))
-        m = verdict.n_accepted
-        self._rewind(n_cached + m + 1)  # keep pending, d1..dm
+        self.session.keep(n_cached, (0, *(i + 1 for i in verdict.path)))  # pending + accepted
         t2 = time.perf_counter()
-        self.drafter.accept(m, out)
+        call.drafter.accept(verdict, out)
         t3 = time.perf_counter()
-        tally.draft_s += (t1 - t0) + (t3 - t2)
+        drafting = (t1 - t0) + (t3 - t2)
+        tally.draft_s += drafting
         tally.verify_s += t2 - t1
-        tally.record(len(draft.tokens), m)
-        proposed = [*draft.tokens[:m], verdict.next_token]
+        depth = max(draft.depths(), default=0)
+        tally.record(len(draft.tokens), depth, verdict.n_accepted, draft.source, drafting)
+        m = verdict.n_accepted
+        proposed = [*(draft.tokens[i] for i in verdict.path), verdict.next_token]
         new: list[int] = []
         reason: StopReason | None = None
         for token in proposed:
@@ -260,48 +314,39 @@ class SpecEngine:
             reason = rules.admit(token, n_output + len(new))
             if reason is not None:
                 break
-        flags = [i < m for i in range(len(new))]
-        if self.controller is not None:
+        if call.controller is not None:
             # the stop rules and text after t3 are this step's overhead
-            drafting = (t1 - t0) + (t3 - t2) - draft.catch_up_s
-            self.controller.observe(len(draft.tokens), m, drafting, t2 - t1,
-                                    time.perf_counter() - t3 + draft.catch_up_s)
-        return new, flags, len(draft.tokens), reason
+            call.controller.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
+                                    time.perf_counter() - t3 + draft.catch_up_s,
+                                    source=draft.source, rows=len(draft.tokens) + 1)
+        return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
+                           n_drafted=len(draft.tokens), reason=reason)
 
-    @property
-    def k_max(self) -> int:
-        return self.controller.k_max if self.controller is not None else int(self.k)
-
-    def _probe_verify_costs(self, token: int) -> None:
-        """Time forwards over 1..k_max+1 tokens once, so the first steps choose k well."""
-        base = len(self._cached)
+    def _probe_verify_costs(self, token: int, k_max: int) -> dict[int, float]:
+        """Time forwards over 1..k_max+1 tokens once per engine, so the first steps choose k
+        well; every controller of this engine starts from the same curve."""
+        if len(self._verify_costs) >= k_max + 1:
+            return self._verify_costs
+        base = self.session.length
         costs: dict[int, float] = {}
-        self._forward([token], n_logits=1)  # warm-up: the first forward after a load is slow
-        self._rewind(base)
+        self.session.forward([token], n_logits=1)  # warm-up: the first forward after a load
+        self.session.rewind(base)
         # every size, twice (the faster run counts): kernels work in row blocks, so cost can
         # jump between neighbours (int8 on CPU: 4 rows 1.44x one row, 5 rows 2.8x)
-        for rows in [*range(1, self.k_max + 2)] * 2:
+        for rows in [*range(1, k_max + 2)] * 2:
             t0 = time.perf_counter()
-            self._forward([token] * rows, n_logits=rows)
+            self.session.forward([token] * rows, n_logits=rows)
             elapsed = time.perf_counter() - t0
             costs[rows] = min(costs.get(rows, elapsed), elapsed)
-            self._rewind(base)
-        self.controller.seed_costs(costs)
+            self.session.rewind(base)
+        self._verify_costs = costs
+        return costs
 
     def _choose(self, out: TargetOutput, params: SamplingParams, rng: np.random.Generator) -> int:
         """Plain decoding's token choice on the last row, through the shared pipeline."""
         if params.greedy:
             return out.argmax[-1]
         return sample(warp(out.host_logits()[-1], params), rng)
-
-    def _forward(self, token_ids: Sequence[int], n_logits: int) -> TargetOutput:
-        out = self.session.forward(token_ids, n_logits=n_logits)
-        self._cached.extend(token_ids)
-        return out
-
-    def _rewind(self, length: int) -> None:
-        self.session.rewind(length)
-        del self._cached[length:]
 
     def _step(self, tokens: tuple[int, ...], flags: tuple[bool, ...], n_drafted: int,
               rules: _StopRules, tally: _Tally, n_output: int, reason: StopReason | None) -> Step:
@@ -311,8 +356,38 @@ class SpecEngine:
                     stats=tally.freeze(n_output, 0))
 
 
-def _clip(draft: Draft, k: int) -> Draft:
-    if len(draft.tokens) <= k:
-        return draft
-    probs = None if draft.probs is None else draft.probs[:k]
-    return Draft(tokens=draft.tokens[:k], probs=probs, catch_up_s=draft.catch_up_s)
+@dataclass(frozen=True)
+class _Call:
+    """One generate call's drafter, k and (for k="auto") controller."""
+
+    drafter: Drafter
+    k: int | str
+    controller: KController | None
+
+    @property
+    def k_max(self) -> int:
+        return self.controller.k_max if self.controller is not None else int(self.k)
+
+
+@dataclass(frozen=True)
+class _StepResult:
+    tokens: tuple[int, ...]  # committed this step, cut at a stop rule
+    from_draft: tuple[bool, ...]
+    n_drafted: int
+    reason: StopReason | None
+
+
+def _check_k(k: object) -> None:
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K):
+        raise SpecdeckError(f"k must be an integer from 0 to {MAX_K}, or 'auto' (got {k!r})")
+
+
+def last_done(events: Iterator[Event]) -> Done:
+    """Drain a generation's events; return its Done."""
+    done = None
+    for event in events:
+        if isinstance(event, Done):
+            done = event
+    if done is None:
+        raise RuntimeError("the generation ended without a Done event")
+    return done

@@ -2,7 +2,7 @@
 
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
 from a drafter (Drafter); what a forward pass returns (TargetOutput); what a backend can do
-(Capabilities). Must not know: torch, mlx, transformers. Adapters in this package implement
+(Capabilities). Must not know: torch, mlx, transformers. Adapters in backends/ implement
 these protocols; the engine in app/core/engine.py consumes them.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from app.core.types import Draft, SamplingParams
+from app.core.types import Draft, SamplingParams, Verdict
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Capabilities:
 
     rewind: bool = True  # attention-only KV caches can be cut; recurrent state cannot
     hidden_states: bool = False  # can capture chosen layers' hidden states for heads
-    tree_attention: bool = False  # accepts a custom 4D mask for tree drafts
+    tree_attention: bool = False  # Session.forward takes `parents` (tree drafts)
     reason: str = ""  # why a capability is missing, named in refusals
 
 
@@ -33,7 +33,8 @@ class TargetOutput:
 
     argmax: per-row argmax ids (all greedy needs to leave the device).
     logits: host numpy [rows, vocab] float32, produced lazily by `host_logits`.
-    hidden_states: captured layer index -> backend array [rows, hidden], for heads.
+    hidden_states: captured layer index -> backend array [input rows, hidden] (every input
+    row, not only the last n_logits), for heads; only the layers the forward asked for.
     """
 
     argmax: tuple[int, ...]
@@ -50,13 +51,35 @@ class TargetOutput:
 
 @runtime_checkable
 class Session(Protocol):
-    """One KV cache over one token sequence. Lengths are absolute token counts."""
+    """One KV cache over one token sequence. Lengths are absolute token counts.
+
+    The session knows the ids it holds (`tokens`), so nobody keeps a mirror of its cache.
+    """
 
     @property
     def length(self) -> int: ...
 
-    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
-        """Append token_ids to the cache; return rows for the last n_logits inputs."""
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1,
+                parents: Sequence[int] | None = None,
+                capture: Sequence[int] = ()) -> TargetOutput:
+        """Append token_ids; return rows for the last n_logits inputs.
+
+        parents (tree drafts, where capabilities.tree_attention): per input row, the index of
+        the row it follows, -1 for the cache's last token; the backend derives positions
+        (length + depth) and the ancestor mask. capture: layers whose hidden states this
+        forward returns.
+        """
+        ...
+
+    def keep(self, length: int, rows: Sequence[int]) -> None:
+        """After a forward that appended rows at [length, ...), keep only `rows`, in order.
+
+        A chain keeps a prefix (rows 0..m, the same as rewind(length + m + 1)); a tree keeps
+        one path. Absolute, like rewind.
+        """
         ...
 
     def rewind(self, length: int) -> None:
@@ -101,8 +124,9 @@ class Model(Protocol):
 class Drafter(Protocol):
     """Proposes draft tokens; told the outcome of each verification.
 
-    Lifecycle: begin(prompt, first_output, params, rng), then per step
-    propose(context, k) -> Draft and accept(n_accepted, verified_output).
+    Lifecycle: begin(prompt, first_output, params, rng), then per step propose(context, k)
+    -> Draft (a chain, or a tree no deeper than k) and accept(verdict, verified_output). The
+    engine captures `capture_layers` on every target forward this drafter's steps run.
     """
 
     name: str
@@ -113,7 +137,7 @@ class Drafter(Protocol):
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 
-    def accept(self, n_accepted: int, verified: TargetOutput) -> None: ...
+    def accept(self, verdict: Verdict, verified: TargetOutput) -> None: ...
 
 
 def collect_eos_ids(*sources: Any) -> frozenset[int]:
@@ -128,7 +152,8 @@ def collect_eos_ids(*sources: Any) -> frozenset[int]:
 
 
 class Backend(Protocol):
-    """An array library adapter: loads models and builds its model-based drafters."""
+    """An array library adapter: loads models and builds its model-based drafters (the
+    drafter factory in app/drafters asks it for them)."""
 
     name: str
 

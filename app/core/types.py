@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 StopReason = Literal["eos", "length", "stop_string", "cancelled", "error"]
@@ -55,22 +55,110 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Draft:
-    """Up to k draft tokens. probs is None for a deterministic drafter (one-hot q)."""
+    """Draft tokens: a chain (parents None) or a tree whose nodes follow their parents.
+
+    parents[i] is the index of node i's parent, -1 for a child of the pending token; nodes
+    come after their parents (parents[i] < i), so any prefix of the nodes is a tree too. A
+    chain is the tree with parents -1, 0, 1, ...
+    """
 
     tokens: tuple[int, ...] = ()
-    probs: Any = None  # numpy [len(tokens), draft_vocab]: the q each token was drawn from
+    parents: tuple[int, ...] | None = None
+    # numpy [n_nodes, draft_vocab] float: the q node i was drawn from, given its earlier
+    # siblings (sampling without replacement renormalises q without them); None = one-hot
+    probs: Any = None
+    source: str = ""  # the drafter (a chain's member) that proposed these tokens
     # seconds of the propose spent reading context the drafter had not seen (after steps
     # without drafting): a one-off cost the k controller keeps out of the per-token draft cost
     catch_up_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.parents is not None and (
+                len(self.parents) != len(self.tokens)
+                or any(not -1 <= p < i for i, p in enumerate(self.parents))):
+            raise ValueError(f"tree parents must precede their nodes: {self.parents}")
+
+    @property
+    def is_tree(self) -> bool:
+        """True when some node has a sibling (a chain written with parents is no tree)."""
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+
+    def parent_list(self) -> tuple[int, ...]:
+        return self.parents if self.parents is not None else tuple(range(-1, len(self.tokens) - 1))
+
+    def depths(self) -> tuple[int, ...]:
+        """depth[i]: 1 for a child of the pending token, 2 for its child, ..."""
+        depth: list[int] = []
+        for p in self.parent_list():
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return tuple(depth)
+
+    def row_parents(self) -> tuple[int, ...]:
+        """Parents of the verify rows [pending, *tokens]: -1 (the cache) for the pending row."""
+        return (-1, *(p + 1 for p in self.parent_list()))
+
+    def within(self, max_depth: int) -> Draft:
+        """The nodes at depth <= max_depth (a chain: its first max_depth tokens)."""
+        keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
+        if len(keep) == len(self.tokens):
+            return self
+        return self._subset(keep)
+
+    def first_chain(self) -> Draft:
+        """The path through every node's first child: what a verifier without trees checks."""
+        keep, at = [], -1
+        for i, p in enumerate(self.parent_list()):
+            if p == at:
+                keep.append(i)
+                at = i
+        return replace(self._subset(keep), parents=None)
+
+    def _subset(self, keep: list[int]) -> Draft:
+        index = {old: new for new, old in enumerate(keep)}
+        parents = self.parent_list()
+        probs = None if self.probs is None else self.probs[keep]
+        new_parents = tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in keep)
+        return replace(self, tokens=tuple(self.tokens[i] for i in keep), probs=probs,
+                       parents=None if self.parents is None else new_parents)
+
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome of verifying one draft: how many draft tokens survive and the token after them."""
+    """Outcome of verifying one draft: the accepted path and the token after it.
 
-    n_accepted: int
-    next_token: int  # recovered token on a rejection, bonus token when every draft survived
+    path: accepted node indices, root to leaf (a chain: 0 .. m-1). next_token: the recovered
+    token on a rejection, the bonus token when the path ends at a leaf.
+    """
+
+    path: tuple[int, ...]
+    next_token: int
     is_bonus: bool
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """One drafter's share of a generation (a chain's members each have their own)."""
+
+    name: str
+    steps: int = 0  # verify steps whose draft this drafter proposed
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self, target_forwards: int) -> dict[str, Any]:
+        # its accepted tokens per target forward: τ = 1 + the members' contributions
+        tau = self.accepted / target_forwards if target_forwards else 0.0
+        return {"name": self.name, "steps": self.steps, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+                "tau_contribution": tau, "draft_s": self.draft_s}
 
 
 @dataclass(frozen=True)
@@ -93,6 +181,7 @@ class RunStats:
     verify_s: float = 0.0
     speculation_off_steps: int = 0  # steps where k="auto" chose not to draft (it did not pay)
     peak_memory_bytes: int = 0
+    drafters: tuple[DrafterStats, ...] = ()  # per drafter that proposed, in order of first use
 
     @property
     def acceptance_rate(self) -> float:
@@ -146,6 +235,7 @@ class RunStats:
             "other_s": self.other_s,
             "speculation_off_steps": self.speculation_off_steps,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "drafters": [d.to_dict(self.target_forwards) for d in self.drafters],
         }
 
 

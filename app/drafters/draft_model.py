@@ -1,10 +1,11 @@
 """DraftModelDrafter: a small model of the target's family drafts k tokens, on any backend.
 
-Knows: the Session protocol (forward, rewind), the shared sampling pipeline, the vocabulary
-check. Must not know: array libraries (a backend may subclass it to keep its greedy chain on
-the device, as MLX does) or the target's cache. The drafter's cache follows the context by
-common prefix, so one rule covers both cases of ALGORITHMS.md 3.1: after a rejection it
-rewinds, after full acceptance it catches up on d_k.
+Knows: the Session protocol (forward, rewind, tokens), the shared sampling pipeline, the
+vocabulary check. Must not know: array libraries (a backend may subclass it to keep its greedy
+chain on the device, as MLX does), the target's cache, prompt lookup (a ChainDrafter puts
+lookup in front of it). The drafter's cache follows the context by common prefix, so one rule
+covers both cases of ALGORITHMS.md 3.1: after a rejection it rewinds, after full acceptance
+it catches up on d_k.
 """
 
 from __future__ import annotations
@@ -16,14 +17,10 @@ import numpy as np
 
 from app.core.protocols import Model, TargetOutput
 from app.core.sampling import sample, warp
-from app.core.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
-from app.drafters.ngram import propose_lookup
+from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict, common_prefix_length
 from app.drafters.pairing import check_vocab_compatible
 
 CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
-# HumanEval, Qwen pair in w8a8, k=4, median of 10 prompts: the model alone 1.43x plain, with
-# lookup first on 3+ matching tokens 1.63x (up to 3x where the reply repeats the prompt's code)
-LOOKUP_MIN_N = 3
 # vocab_limit N > 0: the drafter computes logits only for ids below N (byte-level BPE numbers
 # its tokens in merge order, so low ids are the frequent ones), the prompt's tokens and EOS:
 # FR-Spec's idea with merge order for corpus counts. Off by default: on the Qwen pair (int8)
@@ -36,7 +33,7 @@ class DraftModelDrafter:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, target: Model, draft: Model, min_confidence: float = 0.0,
-                 vocab_limit: int = 0, lookup_min_n: int = LOOKUP_MIN_N) -> None:
+                 vocab_limit: int = 0) -> None:
         check_vocab_compatible(target, draft)
         if vocab_limit < 0:
             raise SpecdeckError(f"--draft-vocab must be 0 (whole vocabulary) or a positive "
@@ -50,11 +47,7 @@ class DraftModelDrafter:
         # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
         self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
         self._always = {*target.eos_token_ids, *draft.eos_token_ids}
-        # lookup_min_n N > 0: where the context's last N+ tokens occurred before and k tokens
-        # followed, draft those (prompt lookup, free) and run the model only elsewhere
-        self.lookup_min_n = lookup_min_n
         self._session = draft.start(exact=False)
-        self._cached: list[int] = []  # token ids held in the drafter's cache
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
 
@@ -70,10 +63,6 @@ class DraftModelDrafter:
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft()
-        if self.lookup_min_n:
-            looked = propose_lookup(context, k, self.lookup_min_n, max(self.lookup_min_n, 8))
-            if len(looked) == k:
-                return Draft(tokens=looked)
         feed = self._align(context)
         caught_up = 0.0
         # after steps without drafting, read the missed tokens apart from drafting, so their
@@ -84,14 +73,13 @@ class DraftModelDrafter:
             feed = feed[-1:]
             caught_up = time.perf_counter() - t0
         tokens, probs = self._draft(feed, k)
-        return Draft(tokens=tuple(tokens), probs=probs, catch_up_s=caught_up)
+        return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up)
 
     def _catch_up(self, feed: list[int]) -> None:
         if feed:
             self._session.forward(feed, n_logits=1)
-            self._cached.extend(feed)
 
-    def accept(self, n_accepted: int, verified: TargetOutput) -> None:
+    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
         # nothing to do now: the next propose aligns the cache with the committed context
         return None
 
@@ -100,11 +88,10 @@ class DraftModelDrafter:
 
         keep_one leaves at least the last token to feed: drafting needs its logits row.
         """
-        reuse = common_prefix_length(self._cached, context)
+        reuse = common_prefix_length(self._session.tokens, context)
         if keep_one:
             reuse = min(reuse, len(context) - 1)
         self._session.rewind(reuse)
-        del self._cached[reuse:]
         return list(context[reuse:])
 
     def _draft(self, feed: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
@@ -112,7 +99,6 @@ class DraftModelDrafter:
         rows: list[np.ndarray] = []
         for _ in range(k):
             out = self._session.forward(feed, n_logits=1)
-            self._cached.extend(feed)
             token, q = self._choose(out)
             if tokens and self.min_confidence and self._confidence(out, q) < self.min_confidence:
                 break

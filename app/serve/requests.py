@@ -44,7 +44,7 @@ class OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    drafter: Literal["none", "ngram", "draft"] | None = None
+    drafter: str | None = None  # a kind of app.drafters.CHOICES, checked when resolved
     k: int | None = Field(None, ge=0, le=MAX_K)
 
 

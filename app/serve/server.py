@@ -22,14 +22,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from app import drafters
 from app.cli import add_model_arguments
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
-from app.drafters.ngram import NgramDrafter, NoDrafter
 from app.serve.metrics import FINISH, Metrics
 from app.serve.requests import (
     ApiError,
@@ -59,21 +58,29 @@ class Served:
     api_key: str | None = None
     metrics: "Metrics" = field(default_factory=lambda: Metrics())
 
+    draft: Any = None  # the loaded draft model, for requests that ask for a model drafter
+    backend: Any = None
+    _drafters: dict[str, Any] = field(default_factory=dict)  # built on first request, kept
+
     def drafter_for(self, name: str | None) -> tuple[Any, str]:
-        """The drafter object a request asks for; ApiError when this server cannot run it."""
+        """The drafter a request asks for; ApiError when this server cannot run it."""
         name = name or self.drafter_name
         if name == self.drafter_name:
             return self.engine.drafter, name
-        if name == "none":
-            return NoDrafter(), name
-        if name == "ngram":
-            return NgramDrafter(), name
-        raise ApiError(f"drafter {name!r} is not loaded on this server (it runs "
-                       f"{self.drafter_name!r}): use drafter 'ngram' or 'none', or restart "
-                       "with --drafter draft --draft PATH", "drafter")
+        if name not in drafters.CHOICES or name == "auto":
+            raise ApiError(f"unknown drafter {name!r}: use one of "
+                           f"{', '.join(c for c in drafters.CHOICES if c != 'auto')}", "drafter")
+        if name in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
+            raise ApiError(f"drafter {name!r} needs a draft model, and this server runs "
+                           f"{self.drafter_name!r} without one: use drafter 'ngram' or 'none', "
+                           "or restart with --drafter chain --draft PATH", "drafter")
+        if name not in self._drafters:
+            self._drafters[name] = drafters.build_drafter(
+                name, self.engine.target, backend=self.backend, draft=self.draft)
+        return self._drafters[name], name
 
-    def k_for(self, drafter: str, k: int | None) -> int | None:
-        """The request's k; None keeps the engine's own (a number, or adaptive 'auto')."""
+    def k_for(self, drafter: str, k: int | None) -> int | str:
+        """The request's k, else the engine's own for its drafter, else the default."""
         if drafter == "none":
             if k:
                 raise ApiError("drafter 'none' proposes no draft tokens: drop k or choose "
@@ -81,7 +88,7 @@ class Served:
             return 0
         if k is not None:
             return k
-        return None if drafter == self.drafter_name else self.default_k
+        return self.engine.k if drafter == self.drafter_name else self.default_k
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ class Job:
     params: SamplingParams
     drafter: Any
     drafter_name: str
-    k: int | None  # None: the engine's own k
+    k: int | str  # a count, or "auto"
 
 
 def chat_prompt(served: Served, request: ChatRequest) -> list[int]:
@@ -166,26 +173,6 @@ def sampling(request: OpenAIRequest, context_length: int) -> SamplingParams:
 
 # ---- running a generation ---------------------------------------------------------------
 
-@contextmanager
-def configured(engine: Any, drafter: Any, k: int | None) -> Iterator[None]:
-    """The engine with this request's drafter and k; restored afterwards (caller holds lock).
-
-    A fixed k also sets aside an adaptive-k controller for this request, if the engine has one.
-    """
-    saved = engine.drafter, engine.k, getattr(engine, "controller", None)
-    engine.drafter = drafter
-    if k is not None:
-        engine.k = k
-        if saved[2] is not None:
-            engine.controller = None
-    try:
-        yield
-    finally:
-        engine.drafter, engine.k = saved[:2]
-        if saved[2] is not None:
-            engine.controller = saved[2]
-
-
 class Run:
     """One generation on a worker thread; its events reach the event loop through a queue."""
 
@@ -225,14 +212,14 @@ class Run:
 
     def _generate(self, engine: Any) -> Done | None:
         done = None
-        with configured(engine, self.job.drafter, self.job.k):
-            events = engine.generate(self.job.prompt_ids, self.job.params, self.cancel)
-            try:
-                for event in events:
-                    self._put(event)
-                    done = event if isinstance(event, Done) else done
-            finally:
-                events.close()  # runs the engine's finally: the cache is rewound
+        events = engine.generate(self.job.prompt_ids, self.job.params, self.cancel,
+                                 drafter=self.job.drafter, k=self.job.k)
+        try:
+            for event in events:
+                self._put(event)
+                done = event if isinstance(event, Done) else done
+        finally:
+            events.close()  # runs the engine's finally: the cache is rewound
         return done
 
     def _put(self, item: Step | Done | None) -> None:
@@ -336,7 +323,7 @@ class Reply:
                 "model": self.served.model_id}
 
     def _speculative(self, done: Done) -> dict[str, Any]:
-        k = self.job.k if self.job.k is not None else self.served.engine.k
+        k = self.job.k
         # an adaptive engine ("auto") reports the most it may draft: its positions counted
         k = k if isinstance(k, int) else len(done.stats.drafted_per_position)
         return speculative_object(done.stats, self.job.drafter_name, k)
@@ -494,7 +481,7 @@ def _serve(args: argparse.Namespace) -> int:
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=args.k if isinstance(args.k, int) and args.k > 0 else DEFAULT_K,
-                    api_key=args.api_key or None)
+                    api_key=args.api_key or None, draft=loaded.draft, backend=loaded.backend)
     if args.host not in LOOPBACK and not served.api_key:
         print(f"specdeck: warning: serving on {args.host} without --api-key: anyone who can "
               "reach this machine can use the model", file=sys.stderr)

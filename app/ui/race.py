@@ -189,7 +189,7 @@ class RaceHandlers:
         if choice.kind == "none":
             raise SpecdeckError("pick a drafter (auto, ngram or draft) to race against plain "
                                 "decoding")
-        plain, _ = self.bench.engine("none", 1)
+        plain, _ = self.bench.engine("none", 1, lane="race-plain")
         tokenizer = plain.target.tokenizer
         if as_chat and getattr(tokenizer, "chat_template", None):
             ids = chat_ids(tokenizer, [{"role": "user", "content": prompt}])

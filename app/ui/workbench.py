@@ -1,8 +1,10 @@
-"""What the app has loaded: one target, an optional draft model, and one engine per drafter kind.
+"""What the app has loaded: one target, an optional draft model, and one engine for the target.
 
-Knows: how drafter names map to engines (every engine shares the one loaded target Model and
-owns its own Session), which browser session may cancel which generation, and that one
-generation at a time runs per target (the `busy` lock, next to the Gradio queue's limit).
+Knows: how the drafter control's value maps to a drafter (built once per kind by the factory
+in app/drafters), that chat and race share the target's one engine and so its KV cache
+whatever drafter they use (the race's plain lane has an engine of its own, since both lanes
+run at once), which browser session may cancel which generation, and that one generation at
+a time runs per target (the `busy` lock, next to the Gradio queue's limit).
 Must not know: Gradio components, array libraries (backends load the models).
 """
 
@@ -10,20 +12,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from app.drafters.ngram import NgramDrafter
 from app.drafters.pairing import check_vocab_compatible
 
-# what the app can build today; head kinds join once their drafters exist
-BUILT_DRAFTERS = ("none", "ngram", "draft")
-DRAFTER_CHOICES = ("auto", *BUILT_DRAFTERS)
-
-EngineFactory = Callable[[str, "int | str"], SpecEngine]
+DRAFTER_CHOICES = drafters.CHOICES
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,8 @@ class Workbench:
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
         self.busy = threading.Lock()  # one generation per target at a time
-        self._factory: EngineFactory | None = None
-        self._engines: dict[tuple[str, str], SpecEngine] = {}
+        self._engines: dict[str, SpecEngine] = {}  # "chat" (shared) and "race-plain"
+        self._drafters: dict[str, Any] = {}  # built once per kind, kept with their caches
         self._cancels: dict[str, threading.Event] = {}
         self._cancels_lock = threading.Lock()
 
@@ -58,13 +56,13 @@ class Workbench:
     def loaded(self) -> bool:
         return self.target is not None
 
-    def attach(self, target: Any, factory: EngineFactory, draft: Any = None, label: str = "",
+    def attach(self, target: Any, draft: Any = None, label: str = "",
                pair_id: str | None = None, auto_kind: Choice | None = None) -> None:
-        """Install a loaded target (and draft); engines are built lazily by `factory`."""
-        self.target, self.draft, self._factory = target, draft, factory
+        """Install a loaded target (and draft); the engine and drafters are built lazily."""
+        self.target, self.draft = target, draft
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
-        self._engines = {}
+        self._engines, self._drafters = {}, {}
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
              pair_id: str | None = None, auto_kind: Choice | None = None) -> None:
@@ -85,58 +83,48 @@ class Workbench:
         for model in (target, draft):
             if model is not None:
                 warm_up(model)
-
-        def factory(kind: str, k: int | str) -> SpecEngine:
-            if kind == "none":
-                return SpecEngine(target)
-            if kind == "ngram":
-                return SpecEngine(target, NgramDrafter(), k=k)
-            return SpecEngine(target, backend.draft_model_drafter(target, draft), k=k)
-
-        self.attach(target, factory, draft=draft, label=label, pair_id=pair_id,
-                    auto_kind=auto_kind)
+        self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
 
     def unload(self) -> None:
-        self.target = self.draft = self._factory = self.backend = None
-        self._engines = {}
+        self.target = self.draft = self.backend = None
+        self._engines, self._drafters = {}, {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
     def resolve(self, kind: str) -> Choice:
         """Turn the drafter control's value into a buildable kind, with the reason."""
         if kind == "auto":
             if self.auto_kind is not None:
-                return self.auto_kind
+                built = drafters.RUN_AS.get(self.auto_kind.kind, self.auto_kind.kind)
+                return Choice(built, self.auto_kind.reason)
             if self.draft is not None:
-                return Choice("draft", f"auto: the draft model {self.draft.name} is loaded")
+                return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
             return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
-        if kind not in BUILT_DRAFTERS:
+        if kind not in drafters.IMPLEMENTED:
             raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
-                                "yet: pick auto, ngram or draft")
-        if kind == "draft" and self.draft is None:
-            raise SpecdeckError("drafter 'draft' needs a draft model: load a pair with a draft "
+                                f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
+        if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
+            raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
                                 "model in the Models tab, or start with --draft PATH")
         return Choice(kind, "plain decoding" if kind == "none" else f"chosen: {kind}")
 
-    def engine(self, kind: str, k: int | str) -> tuple[SpecEngine, Choice]:
-        """The engine for a drafter kind and k (a number, or "auto": chosen per step).
-
-        Built once and shared by chat and race, so a conversation's cache survives switching
-        tabs; a fixed k is set on the engine here (callers hold `busy`)."""
-        if self._factory is None:
+    def engine(self, kind: str, k: int | str, lane: str = "chat") -> tuple[Bound, Choice]:
+        """The target's engine bound to a drafter kind and k (a number, or "auto": chosen per
+        step). Chat and race share the "chat" lane's engine, so a conversation's cache
+        survives switching drafter or tab; the race's plain lane runs on its own."""
+        if self.target is None:
             raise SpecdeckError("no model is loaded: pick a pair in the Models tab and press "
                                 "Load, or start with `specdeck ui --target PATH`")
         if k != "auto" and (not isinstance(k, int) or k < 1):
             raise SpecdeckError(f"k must be auto or at least 1 (got {k!r}); pick drafter none "
                                 "for plain decoding")
         choice = self.resolve(kind)
-        # an auto-k engine owns a controller that learns costs, so it stays apart
-        key = (choice.kind, "auto" if k == "auto" and choice.kind != "none" else "fixed")
-        if key not in self._engines:
-            self._engines[key] = self._factory(choice.kind, k)
-        engine = self._engines[key]
-        if key[1] == "fixed" and choice.kind != "none":
-            engine.k = k
-        return engine, choice
+        if lane not in self._engines:
+            self._engines[lane] = SpecEngine(self.target)
+        if choice.kind not in self._drafters:
+            self._drafters[choice.kind] = drafters.build_drafter(
+                choice.kind, self.target, backend=self.backend, draft=self.draft)
+        return Bound(self._engines[lane], self._drafters[choice.kind],
+                     0 if choice.kind == "none" else k), choice
 
     def begin(self, session: str) -> threading.Event:
         """A fresh cancel flag for one browser session's generation."""
@@ -165,6 +153,26 @@ class Workbench:
         weights = sum(m.weights_bytes() for m in (self.target, self.draft) if m is not None)
         peak = self.target.peak_memory_bytes() if self.target is not None else 0
         return {"weights": weights, "rss": psutil.Process().memory_info().rss, "peak": peak}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The shared engine with one drafter and k: what a tab generates with."""
+
+    engine: SpecEngine
+    drafter: Any
+    k: int | str
+
+    @property
+    def target(self) -> Any:
+        return self.engine.target
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        self.engine.check_prompt(prompt_ids)
+
+    def generate(self, prompt_ids: Sequence[int], params: Any,
+                 cancel: threading.Event | None = None) -> Iterator[Any]:
+        return self.engine.generate(prompt_ids, params, cancel, drafter=self.drafter, k=self.k)
 
 
 def warm_up(model: Any) -> None:

@@ -59,21 +59,35 @@ def resolve_dtype(dtype: str, device: mx.Device, stored: mx.Dtype) -> mx.Dtype:
 
 
 class MlxSession:
-    """One mlx-lm prompt cache; forward appends, rewind trims to an absolute length."""
+    """One mlx-lm prompt cache; forward appends, rewind trims to an absolute length.
+
+    Chains only: mlx-lm applies RoPE from the cache's scalar offset, so a tree's rows cannot
+    take their own positions (the engine verifies a tree's first chain here).
+    """
 
     def __init__(self, model: MlxModel, capture_layers: Sequence[int]) -> None:
         self._model = model
         self._cache = make_prompt_cache(model.net)
         self._capture = tuple(capture_layers)
-        for i in self._capture:
-            _hook(model.net.layers[i], i)
+        # ids in the cache; a greedy chain's device-side tokens stay arrays until read
+        self._ids: list[int | mx.array] = []
 
     @property
     def length(self) -> int:
         return int(self._cache[0].offset)
 
-    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
-        with self._recording() as captured:
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        if any(isinstance(t, mx.array) for t in self._ids):
+            self._ids = [t if isinstance(t, int) else int(t.item()) for t in self._ids]
+        return tuple(self._ids)  # type: ignore[arg-type]
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1,
+                parents: Sequence[int] | None = None,
+                capture: Sequence[int] = ()) -> TargetOutput:
+        if parents is not None and tuple(parents) != tuple(range(-1, len(token_ids) - 1)):
+            raise SpecdeckError("the MLX backend verifies chains only (no tree attention)")
+        with self._recording((*self._capture, *capture)) as captured:
             logits = self.logits(list(token_ids), n_logits)  # [n_logits, vocab]
         hidden = {i: mx.concatenate(rows, axis=0) for i, rows in captured.items()}
         argmax = mx.argmax(logits, axis=-1)
@@ -82,13 +96,23 @@ class MlxSession:
                             logits_fn=lambda: np.array(logits.astype(mx.float32)),
                             hidden_states=hidden)
 
+    def keep(self, length: int, rows: Sequence[int]) -> None:
+        if tuple(rows) != tuple(range(len(rows))):
+            raise SpecdeckError("the MLX backend keeps chain prefixes only (no tree attention)")
+        self.rewind(length + len(rows))
+
     def logits(self, token_ids: Sequence[int] | mx.array, n_logits: int = 1) -> mx.array:
         """Append token_ids; lazy logits [n_logits, vocab] of the last inputs, on the device.
 
         Rows before the last n_logits go through the model without the output layer ever
         running: MLX computes only what is evaluated, and only the cache state is.
         """
-        ids = token_ids if isinstance(token_ids, mx.array) else mx.array(list(token_ids))
+        if isinstance(token_ids, mx.array):
+            ids = token_ids
+            self._ids.extend(token_ids[i] for i in range(token_ids.size))
+        else:
+            ids = mx.array(list(token_ids))
+            self._ids.extend(int(t) for t in token_ids)
         n = min(max(n_logits, 1), ids.size)
         head, tail = ids[:ids.size - n], ids[ids.size - n:]
         with mx.stream(self._model.stream):
@@ -105,12 +129,19 @@ class MlxSession:
             extra = cache.offset - length
             if extra > 0:
                 cache.trim(extra)
+        del self._ids[length:]
 
     @contextmanager
-    def _recording(self) -> Iterator[dict[int, list[mx.array]]]:
-        """Point this session's hooked layers at a fresh store for the calls inside."""
-        captured: dict[int, list[mx.array]] = {i: [] for i in self._capture}
-        layers = [self._model.net.layers[i] for i in self._capture]
+    def _recording(self, capture: Sequence[int]) -> Iterator[dict[int, list[mx.array]]]:
+        """Point the chosen layers at a fresh store for the calls inside (hooked on first use)."""
+        bad = [i for i in capture if not 0 <= i < self._model.n_layers]
+        if bad:
+            raise SpecdeckError(f"{self._model.name} has {self._model.n_layers} layers; "
+                                f"cannot capture {bad}")
+        captured: dict[int, list[mx.array]] = {i: [] for i in capture}
+        layers = [self._model.net.layers[i] for i in captured]
+        for i, layer in zip(captured, layers):
+            _hook(layer, i)
         for layer in layers:
             layer._specdeck_sink = captured[layer._specdeck_index].append
         try:

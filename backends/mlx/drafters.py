@@ -26,7 +26,5 @@ class DraftModelDrafter(_SharedDrafter):
             step = mx.argmax(logits, keepdims=True)
             mx.async_eval(step)
             chosen.append(step)
-        tokens = mx.concatenate(chosen).tolist()
-        # every draft token but the last went into the cache as the next step's input
-        self._cached.extend(feed + tokens[:-1])
-        return tokens, None
+        # every draft token but the last went into the cache (the session noted them lazily)
+        return mx.concatenate(chosen).tolist(), None

@@ -23,36 +23,42 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdeck_rowwise"
-MAX_ROWWISE_ROWS = 16  # larger forwards are prompt prefills, computed alike in every mode
+# larger forwards are prompt prefills, computed alike in every mode; a verify of k = 32 draft
+# tokens (the engine's limit) or a tree of up to 63 nodes stays row-wise
+MAX_ROWWISE_ROWS = 64
 
 
 def rowwise_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                  scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Causal attention one query row at a time; returns [batch, rows, heads, head_dim]."""
+    """Attention one query row at a time over the keys it may see; returns [batch, rows,
+    heads, head_dim]. A chain row sees a contiguous window; a tree row (a custom mask) sees the
+    prefix and its ancestors, gathered in key order: the keys its chain twin would see."""
     batch, heads, rows, dim = query.shape
     if rows > MAX_ROWWISE_ROWS or batch != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, **kwargs)
-    kv_heads, keys = key.shape[1], key.shape[2]
-    starts = _window_starts(attention_mask, rows)
+    kv_heads = key.shape[1]
     packed = query.reshape(batch, kv_heads, heads // kv_heads, rows, dim)
     outs = []
-    for row in range(rows):
-        start, end = starts[row], keys - rows + row + 1  # the rows are the last `rows` keys
+    for row, keys in enumerate(_row_keys(attention_mask, rows, key.shape[2])):
         outs.append(F.scaled_dot_product_attention(
-            packed[:, :, :, row], key[:, :, start:end], value[:, :, start:end], scale=scaling))
+            packed[:, :, :, row], key[:, :, keys], value[:, :, keys], scale=scaling))
     out = torch.stack(outs, dim=3).reshape(batch, heads, rows, dim)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _window_starts(mask: torch.Tensor | None, rows: int) -> list[int]:
-    """First key each row may see: 0 when causal, later under a sliding window."""
+def _row_keys(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | torch.Tensor]:
+    """The keys each row may see: a slice where they are contiguous (causal, or a sliding
+    window), else their indices. The rows are the last `rows` keys."""
+    ends = [keys - rows + row + 1 for row in range(rows)]
     if mask is None:
-        return [0] * rows
-    if mask.dtype != torch.bool:
-        mask = mask == 0  # an additive float mask: 0 where attention is allowed
-    return mask[0, 0].int().argmax(dim=-1).tolist()
+        return [slice(0, end) for end in ends]
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0  # additive: 0 = seen
+    starts = allowed.int().argmax(dim=-1).tolist()
+    counts = allowed.sum(dim=-1).tolist()
+    return [slice(start, end) if count == end - start else allowed[row].nonzero().squeeze(-1)
+            for row, (start, end, count) in enumerate(zip(starts, ends, counts))]
 
 
 def register() -> str:

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
 from backends.torch import attention as torch_attention
+from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
@@ -37,6 +38,9 @@ CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetens
 # row): padding every forward to 2 rows, with attention made row-invariant by
 # backends/torch/attention.py, makes plain and speculative decoding share numerics.
 BATCH_INVARIANT_ROWS = 2
+# forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
+# prefills, computed alike in plain and speculative decoding
+MAX_VERIFY_ROWS = torch_attention.MAX_ROWWISE_ROWS
 
 
 def resolve_device(device: str) -> str:
@@ -78,49 +82,160 @@ def cpu_has_native_bf16() -> bool:
 
 
 class TorchSession:
-    """One DynamicCache; forward appends, rewind crops to an absolute length."""
+    """One DynamicCache; forward appends (a chain or a tree), keep/rewind cut it back.
+
+    Exact sessions (the target's) split a verify forward into blocks of `model.row_block`
+    rows, the sizes whose matmuls the load-time check found to give each row the bits it gets
+    alone, and pad a block to `min_rows`; attention is row-wise (backends/torch/attention.py).
+    """
 
     def __init__(self, model: TorchModel, capture_layers: Sequence[int], exact: bool) -> None:
         self._model = model
+        self.exact = exact
         self.min_rows = model.min_rows if exact else 1
         self._cache = DynamicCache(config=model.hf.config)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = [self._hook(i) for i in capture_layers]
+        self._ids: list[int] = []
+        self._capture = tuple(capture_layers)  # captured on every forward
+        self._want: frozenset[int] = frozenset()
+        self._captured: dict[int, list[torch.Tensor]] = {}
+        self._hooked: set[int] = set()
 
     @property
     def length(self) -> int:
         return self._cache.get_seq_length()
 
-    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> TargetOutput:
-        real = list(token_ids)
-        # padding rows sit after the real ones, so causal attention keeps them invisible
-        pad = max(self.min_rows - len(real), 0)
-        ids = torch.tensor([real + real[-1:] * pad], dtype=torch.long, device=self._model.device)
-        with torch.inference_mode():
-            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=n_logits + pad,
-                                 **{self._model.cache_kwarg: self._cache})
-        logits = out.logits[0, :n_logits]  # [n_logits, vocab]
-        argmax = tuple(logits.argmax(dim=-1).tolist())
-        hidden = {i: h[0, :len(real)] for i, h in self._captured.items()}  # [len(real), hidden]
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1,
+                parents: Sequence[int] | None = None,
+                capture: Sequence[int] = ()) -> TargetOutput:
+        real = [int(t) for t in token_ids]
+        tree = _tree_rows(parents, len(real))
+        if tree is not None and not self._model.capabilities.tree_attention:
+            raise SpecdeckError(f"{self._model.name} cannot verify trees: "
+                                f"{self._model.capabilities.reason}")
+        self._arm(capture)
+        base = self.length
+        verify = len(real) <= MAX_VERIFY_ROWS
+        block = self._model.row_block if self.exact and verify else len(real)
+        first_logit = len(real) - n_logits
+        parts = []
+        try:
+            for start in range(0, len(real), block):
+                end = min(start + block, len(real))
+                parts.append(self._block(real, start, end, base, tree, first_logit))
+        finally:
+            self._want = frozenset()
+        self._ids.extend(real)
+        logits = torch.cat([p for p in parts if p.shape[0]])  # [n_logits, vocab]
+        hidden = {i: torch.cat(h)[:len(real)] for i, h in self._captured.items()}
         self._captured = {}
-        if pad:
-            self.rewind(self.length - pad)
+        argmax = tuple(logits.argmax(dim=-1).tolist())
         return TargetOutput(argmax=argmax, logits_fn=lambda: logits.float().cpu().numpy(),
                             hidden_states=hidden)
+
+    def _block(self, real: list[int], start: int, end: int, base: int,
+               tree: tuple[int, ...] | None, first_logit: int) -> torch.Tensor:
+        """Rows start..end of a forward; the logits of those among the last n_logits."""
+        rows = real[start:end]
+        # padding rows sit after the real ones: causal attention keeps them invisible
+        pad = max(self.min_rows - len(rows), 0)
+        ids = torch.tensor([rows + rows[-1:] * pad], dtype=torch.long, device=self._model.device)
+        keep = max(end - max(start, first_logit), 0)
+        extra = {} if tree is None else _tree_inputs(tree, base, start, end, pad,
+                                                      self._model.device)
+        with torch.inference_mode():
+            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=keep + pad,
+                                 **extra, **{self._model.cache_kwarg: self._cache})
+        if pad:
+            self._crop(self.length - pad)
+            for layer in self._captured:
+                self._captured[layer][-1] = self._captured[layer][-1][:len(rows)]
+        return out.logits[0, :keep]
+
+    def keep(self, length: int, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        if rows == list(range(len(rows))):
+            self.rewind(length + len(rows))
+            return
+        index = torch.tensor([*range(length), *(length + r for r in rows)],
+                             device=self._model.device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self._ids[length:] = [self._ids[length + r] for r in rows]
 
     def rewind(self, length: int) -> None:
         if length < 0 or length > self.length:
             raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        self._crop(length)
+        del self._ids[length:]
+
+    def _crop(self, length: int) -> None:
         # per layer: a forward interrupted by an exception can leave layers of unequal length
         for layer in self._cache.layers:
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
 
+    def _arm(self, capture: Sequence[int]) -> None:
+        """Capture these layers (and the session's own) during the next forward."""
+        want = frozenset((*self._capture, *capture))
+        bad = [i for i in want if not 0 <= i < self._model.n_layers]
+        if bad:
+            raise SpecdeckError(f"{self._model.name} has {self._model.n_layers} layers; "
+                                f"cannot capture {sorted(bad)}")
+        for layer in want - self._hooked:
+            self._model.layers[layer].register_forward_hook(self._hook(layer))
+            self._hooked.add(layer)
+        self._want = want
+        self._captured = {i: [] for i in want}
+
     def _hook(self, layer: int) -> Any:
         def keep(_module: Any, _inputs: Any, output: Any) -> None:
-            self._captured[layer] = output[0] if isinstance(output, tuple) else output
-        return self._model.layers[layer].register_forward_hook(keep)
+            if layer in self._want:
+                self._captured[layer].append((output[0] if isinstance(output, tuple)
+                                              else output)[0])  # [rows, hidden]
+        return keep
+
+
+def _tree_rows(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+    """parents as a tuple when they describe a tree, None for a chain (or no parents)."""
+    if parents is None:
+        return None
+    parents = tuple(int(p) for p in parents)
+    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"parents must precede their rows: {parents}")
+    if parents == tuple(range(-1, n - 1)):
+        return None
+    if n > MAX_VERIFY_ROWS:
+        raise SpecdeckError(f"a tree of {n} rows is over the {MAX_VERIFY_ROWS} a verify takes")
+    return parents
+
+
+def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad: int,
+                 device: str) -> dict[str, torch.Tensor]:
+    """position_ids (cache length + depth) and a boolean [1, 1, rows, keys] ancestor mask for
+    rows start..end of a tree forward whose first row sits at `base` in the cache."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    rows = end - start
+    keys = base + end + pad
+    mask = torch.zeros((1, 1, rows + pad, keys), dtype=torch.bool, device=device)
+    mask[..., :base] = True
+    for r in range(start, end):
+        node = r
+        while node >= 0:
+            mask[0, 0, r - start, base + node] = True
+            node = parents[node]
+    for i in range(pad):  # padding rows see the prefix and themselves; nobody sees them
+        mask[0, 0, rows + i, base + end + i] = True
+    positions = [base + d for d in depth[start:end]]
+    positions += [positions[-1] + 1 + i for i in range(pad)]
+    return {"position_ids": torch.tensor([positions], device=device), "attention_mask": mask}
 
 
 class TorchModel:
@@ -146,7 +261,22 @@ class TorchModel:
         # fp32 keeps exactness without padding (its multi-row forwards cost up to 2x more here)
         low_precision = hf.dtype in (torch.bfloat16, torch.float16)
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
+        self.row_block = MAX_VERIFY_ROWS  # verify rows per forward; set by check_exactness
         self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
+
+    def check_exactness(self) -> None:
+        """On CPU, find the verify block size that keeps each row's bits (exactness.py)."""
+        if self.device != "cpu":
+            return  # GPUs make no bitwise promise across row counts
+        checked = linear_layers(self.layers[0])
+        head = self.hf.get_output_embeddings()
+        if isinstance(head, torch.nn.Linear):
+            # the head's kernel over its first rows: the whole head would cost seconds per load
+            checked.append(torch.nn.Linear(head.in_features, min(head.out_features, 4096),
+                                           bias=False, dtype=head.weight.dtype))
+            with torch.no_grad():
+                checked[-1].weight.copy_(head.weight[:checked[-1].out_features])
+        self.row_block = exact_row_block(checked, self.min_rows, self.hf.dtype)
 
     def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> TorchSession:
         """A new session; exact=False (drafters) skips the padding that fixes numerics."""
@@ -188,9 +318,9 @@ class TorchBackend:
         torch_dtype = resolve_dtype(dtype, device)
         folder = _hf_folder(Path(path))
         hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
-        # low precision on CPU: row-invariant attention keeps plain and speculative numerics equal
-        exact_cpu = device == "cpu" and torch_dtype != torch.float32
-        extra = {"attn_implementation": torch_attention.register()} if exact_cpu else {}
+        # on CPU, row-invariant attention keeps plain and speculative numerics equal (and
+        # gives each tree row exactly the keys its chain twin sees)
+        extra = {"attn_implementation": torch_attention.register()} if device == "cpu" else {}
         try:
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -204,6 +334,7 @@ class TorchBackend:
         if dtype in QUANTIZED:
             model.dtype = dtype
             model.min_rows = 1  # their matmuls give a row the same bits for any row count
+        model.check_exactness()
         return model
 
     def draft_model_drafter(self, target: TorchModel, draft: TorchModel,
@@ -292,7 +423,7 @@ def _capabilities(config: Any) -> Capabilities:
         return Capabilities(rewind=False, hidden_states=True,
                             reason=f"layers of type {sorted(recurrent)} keep a state that cannot "
                                    "be rewound")
-    return Capabilities(rewind=True, hidden_states=True, tree_attention=True)
+    return Capabilities(rewind=True, hidden_states=True, tree_attention=True)  # 4D masks
 
 
 def _display_name(path: Path) -> str:

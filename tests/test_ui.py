@@ -302,13 +302,13 @@ def test_clear_empties_the_conversation_and_the_stats():
 
 
 def test_sampling_controls_reach_the_engine_as_sampling_params():
-    from app.ui.chat import sampling_from
+    from app.ui.inputs import sampling_from
 
     params = sampling_from(0.7, 0.9, 40, 0.05, 128, 7)
     assert (params.temperature, params.top_p, params.top_k, params.min_p, params.max_new_tokens,
             params.seed) == (0.7, 0.9, 40, 0.05, 128, 7)
     assert sampling_from(0, 1, 0, 0, 16, None).seed is None
-    with pytest.raises(SpecdeckError, match="top_p"):
+    with pytest.raises(SpecdeckError, match="top-p must be from 0.05 to 1"):
         sampling_from(0.7, 0.0, 0, 0, 16, None)
 
 

@@ -48,7 +48,8 @@ def _ui(args: argparse.Namespace) -> int:
     demo.queue(default_concurrency_limit=1)
     if args.host.strip("[]") not in LOOPBACK:
         print(f"specdeck: warning: binding {args.host} makes the app reachable from other "
-              "machines, and it has no login", file=sys.stderr)
+              "machines, and it has no login; requests that address it by a name other than "
+              "localhost are refused (DNS rebinding), so use its IP address", file=sys.stderr)
     try:
         demo.launch(server_name=args.host, server_port=args.port, share=False, ssr_mode=False,
                     inbrowser=False, prevent_thread_lock=True, quiet=True, footer_links=[],

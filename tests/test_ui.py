@@ -13,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from app.core.engine import SpecEngine
 from app.core.types import Done, RunStats, SpecdeckError, Step
@@ -302,13 +304,13 @@ def test_clear_empties_the_conversation_and_the_stats():
 
 
 def test_sampling_controls_reach_the_engine_as_sampling_params():
-    from app.ui.chat import sampling_from
+    from app.ui.inputs import sampling_from
 
     params = sampling_from(0.7, 0.9, 40, 0.05, 128, 7)
     assert (params.temperature, params.top_p, params.top_k, params.min_p, params.max_new_tokens,
             params.seed) == (0.7, 0.9, 40, 0.05, 128, 7)
     assert sampling_from(0, 1, 0, 0, 16, None).seed is None
-    with pytest.raises(SpecdeckError, match="top_p"):
+    with pytest.raises(SpecdeckError, match="top-p must be from 0.05 to 1"):
         sampling_from(0.7, 0.0, 0, 0, 16, None)
 
 
@@ -653,3 +655,207 @@ def test_out_of_memory_while_loading_is_explained_and_the_app_keeps_serving(monk
     monkeypatch.setattr(bench, "load", no_memory)
     frame = list(handlers.load_files("/some/model.gguf", ""))[-1]
     assert "out of memory: pick a smaller pair" in frame[3] and not bench.busy.locked()
+
+
+# ---------------------------------------------------------------- no wedge (issue 16, item 2)
+
+NAN, INF = float("nan"), float("inf")
+# the control each handler argument is, as the page labels it (every refusal names it)
+LABELS = {"temperature": "temperature", "top_p": "top-p", "top_k": "top-k", "min_p": "min-p",
+          "max_new_tokens": "max new tokens", "seed": "seed", "k": "k", "limit":
+          "prompts per category"}
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("max_new_tokens", NAN), ("max_new_tokens", True), ("max_new_tokens", 10**400),
+    ("temperature", INF), ("top_k", -INF), ("top_p", 2.0), ("min_p", "0.9"),
+    ("seed", NAN), ("seed", -5), ("k", "inf"), ("k", 999), ("k", None)],
+    ids=lambda value: str(value)[:12])
+def test_a_bad_number_in_chat_is_named_and_the_model_stays_free(knob, value):
+    bench, engines = scripted_bench()
+    handlers = ChatHandlers(bench)
+    (frame,) = send(handlers, "hi", **{knob: value})
+    assert f"{LABELS[knob]} must be" in frame[4]
+    assert engines == {} and not bench.busy.locked()  # refused before anything was taken
+    assert send(handlers, "again")[-1][1][-1]["content"] == "Hello world"
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("max_new_tokens", NAN), ("temperature", NAN), ("seed", INF), ("k", "-inf")])
+def test_a_bad_number_in_race_is_named_and_the_model_stays_free(knob, value):
+    bench, _ = race_bench()
+    knobs = {"k": 4, "max_new_tokens": 64, "temperature": 0.0, "seed": None, **{knob: value}}
+    (frame,) = list(RaceHandlers(bench).run("go", True, "ngram", knobs["k"],
+                                            knobs["max_new_tokens"], knobs["temperature"],
+                                            knobs["seed"], True))
+    assert f"{LABELS[knob]} must be" in frame[5] and not bench.busy.locked()
+    assert "Identical outputs" in run_race(bench)[-1][4]
+
+
+class Boom(RuntimeError):
+    """A failure no handler expects: a library bug, not a SpecdeckError."""
+
+
+def boom(*_args, **_kwargs):
+    raise Boom("unexpected")
+
+
+def test_an_unexpected_error_before_the_reply_releases_the_model(monkeypatch):
+    bench, _ = scripted_bench()
+    monkeypatch.setattr(ScriptedEngine, "check_prompt", boom)
+    handlers = ChatHandlers(bench)
+    (frame,) = send(handlers, "hi")
+    assert "Boom: unexpected" in frame[4] and not bench.busy.locked()
+    monkeypatch.undo()
+    assert send(handlers, "again")[-1][1][-1]["content"] == "Hello world"
+
+
+def test_an_unexpected_error_mid_reply_is_shown_and_releases_the_model(monkeypatch):
+    scripted = ScriptedEngine.generate
+
+    def fails_after_a_step(self, *args, **kwargs):
+        yield next(scripted(self, *args, **kwargs))
+        boom()
+
+    bench, _ = scripted_bench()
+    handlers = ChatHandlers(bench)
+    monkeypatch.setattr(ScriptedEngine, "generate", fails_after_a_step)
+    frames = send(handlers, "hi")
+    assert frames[1][1][-1]["content"] == "H"  # the reply had started
+    assert "generation failed: Boom: unexpected" in frames[-1][4] and not bench.busy.locked()
+    monkeypatch.undo()
+    assert send(handlers, "again")[-1][1][-1]["content"] == "Hello world"
+
+
+def test_an_unexpected_error_in_race_releases_the_model(monkeypatch):
+    bench, _ = race_bench()
+    monkeypatch.setattr(ScriptedEngine, "check_prompt", boom)
+    (frame,) = run_race(bench)
+    assert "Boom: unexpected" in frame[5] and not bench.busy.locked()
+
+
+def test_stop_works_after_a_refused_request():
+    bench, _ = scripted_bench()
+    handlers = ChatHandlers(bench)
+    request = SimpleNamespace(session_hash="tab-1")
+    send(handlers, "hi", request=request, max_new_tokens=NAN)
+    frames = submit_then(handlers, request, handlers.stop)
+    assert 'data-status="stopped"' in frames[-1][2] and not bench.busy.locked()
+
+
+def test_the_hold_is_released_on_any_exception_and_refuses_while_held():
+    from app.ui.workbench import Busy
+
+    bench = Workbench()
+    with pytest.raises(Boom), bench.hold("tab") as cancel:
+        assert bench.cancel("tab") and cancel.is_set()
+        with pytest.raises(Busy, match="busy"), bench.hold("other"):
+            pass
+        boom()
+    assert not bench.busy.locked() and not bench.cancel("tab")
+
+
+@pytest.fixture
+def quick_bench_run(monkeypatch, empty_home):
+    """app.bench.run.run_bench replaced by one that logs a line and waits for `release`."""
+    from app.bench import run as benchmark
+
+    release = threading.Event()
+    release.set()
+
+    def run_bench(target, prompts, settings, backend=None, draft=None, log=print):
+        log(f"running {len(prompts)} prompts, {settings.max_new_tokens} new tokens")
+        release.wait(10)
+        return {"settings": {"target": "fake"}, "machine": {}, "configs": []}
+
+    monkeypatch.setattr(benchmark, "run_bench", run_bench)
+    return release
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("max_new_tokens", NAN), ("limit", INF), ("limit", 0.5), ("k", "nan"), ("limit", "ten")])
+def test_a_bad_number_in_bench_is_named_and_the_model_stays_free(knob, value, quick_bench_run):
+    bench, _ = scripted_bench()
+    handlers = BenchHandlers(bench)
+    knobs = {"limit": 1, "max_new_tokens": 16, "k": 4, **{knob: value}}
+    (frame,) = list(handlers.run("humaneval", knobs["limit"], knobs["max_new_tokens"],
+                                 ["ngram"], knobs["k"]))
+    assert f"{LABELS[knob]} must be" in frame[5] and not bench.busy.locked()
+    assert "**fake**" in list(handlers.run("humaneval", 1, 16, ["ngram"], 4))[-1][1]
+
+
+def test_closing_the_bench_tab_keeps_the_model_held_until_the_run_ends(quick_bench_run):
+    bench, _ = scripted_bench()
+    quick_bench_run.clear()
+    stream = BenchHandlers(bench).run("humaneval", 1, 16, ["ngram"], 4)
+    next(stream)  # the run's first log line: it is under way
+    stream.close()  # what Gradio does when the browser tab goes away
+    assert bench.busy.locked()  # the run still uses the model: a chat must not interleave
+    assert "busy" in send(ChatHandlers(bench), "hi")[-1][4]
+    quick_bench_run.set()
+    deadline = time.monotonic() + 10
+    while bench.busy.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert send(ChatHandlers(bench), "hi")[-1][1][-1]["content"] == "Hello world"
+
+
+# what a page, a script or the API can send where a number belongs
+ODD_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.sampled_from([10**400, -1, 0, 1, 16, True, False, None, "", " ", "nan", "-inf", "1e999",
+                     "7", "0.5", "auto", "abc", [], {}]),
+    st.text(max_size=12),
+)
+FUZZ = settings(max_examples=120, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def refused_or_served(refusal: str, knobs: dict, served: bool) -> None:
+    """A request either ran, or its notice names one of the controls it got wrong."""
+    if refusal:
+        assert any(f"{LABELS[knob]} must be" in refusal for knob in knobs), refusal
+    else:
+        assert served
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_p",
+                                        "max_new_tokens", "seed", "k"]), ODD_VALUES,
+                       min_size=1, max_size=3))
+def test_fuzz_chat_numbers_never_wedge_the_model(knobs):
+    bench, _ = scripted_bench()
+    handlers = ChatHandlers(bench)
+    last = send(handlers, "hi", **knobs)[-1]
+    refused_or_served(last[4], knobs, last[1][-1:] and last[1][-1]["content"] == "Hello world")
+    assert not bench.busy.locked()
+    assert send(handlers, "again")[-1][1][-1]["content"] == "Hello world"
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["temperature", "max_new_tokens", "seed", "k"]),
+                       ODD_VALUES, min_size=1, max_size=3))
+def test_fuzz_race_numbers_never_wedge_the_model(knobs):
+    bench, _ = race_bench()
+    given_knobs = {"k": 4, "max_new_tokens": 64, "temperature": 0.0, "seed": None, **knobs}
+    last = list(RaceHandlers(bench).run("go", True, "ngram", given_knobs["k"],
+                                        given_knobs["max_new_tokens"],
+                                        given_knobs["temperature"], given_knobs["seed"],
+                                        True))[-1]
+    refused_or_served(last[5], knobs, "Speedup" in last[4])
+    assert not bench.busy.locked()
+    assert "Identical outputs" in run_race(bench)[-1][4]
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.dictionaries(st.sampled_from(["limit", "max_new_tokens", "k"]), ODD_VALUES,
+                       min_size=1, max_size=3))
+def test_fuzz_bench_numbers_never_wedge_the_model(quick_bench_run, knobs):
+    bench, _ = scripted_bench()
+    handlers = BenchHandlers(bench)
+    given_knobs = {"limit": 1, "max_new_tokens": 16, "k": 4, **knobs}
+    last = list(handlers.run("humaneval", given_knobs["limit"], given_knobs["max_new_tokens"],
+                             ["ngram"], given_knobs["k"]))[-1]
+    refused_or_served(last[5], knobs, "**fake**" in str(last[1]))
+    assert not bench.busy.locked()
+    assert "**fake**" in list(handlers.run("humaneval", 1, 16, ["ngram"], 4))[-1][1]

@@ -1,9 +1,10 @@
 """`specdeck ui`: the Gradio app. Chat, Race, Models and Bench tabs over one Workbench.
 
 Knows: the command's flags, the page layout (one module per tab), how the app is launched
-(127.0.0.1 by default, never a public share link, one generation per model through the
-queue). Must not know: array libraries; engines come from the Workbench, events from the
-engine. Tabs: app/ui/chat.py, race.py, models.py, bench.py; event rendering: render.py.
+(127.0.0.1 by default, never a public share link, Host headers checked against DNS rebinding
+by app/ui/hosts.py, one generation per model through the queue). Must not know: array
+libraries; engines come from the Workbench, events from the engine. Tabs: app/ui/chat.py,
+race.py, models.py, bench.py; event rendering: render.py; numeric controls: inputs.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 from app.catalogue.shipped import shipped_path
 
 ASSETS = shipped_path("assets")
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -36,6 +36,7 @@ def add_subcommand(subparsers: Any) -> None:
 def _ui(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from app.core.types import SpecdeckError
+    from app.ui.hosts import LOOPBACK, host_guard
     from app.ui.workbench import Workbench
 
     started = time.perf_counter()
@@ -45,13 +46,15 @@ def _ui(args: argparse.Namespace) -> int:
     loaded_s = time.perf_counter() - started
     demo = build_app(bench, drafter=args.drafter, start_notice=message)
     demo.queue(default_concurrency_limit=1)
-    if args.host not in LOCAL_HOSTS:
+    if args.host.strip("[]") not in LOOPBACK:
         print(f"specdeck: warning: binding {args.host} makes the app reachable from other "
-              "machines, and it has no login", file=sys.stderr)
+              "machines, and it has no login; requests that address it by a name other than "
+              "localhost are refused (DNS rebinding), so use its IP address", file=sys.stderr)
     try:
         demo.launch(server_name=args.host, server_port=args.port, share=False, ssr_mode=False,
                     inbrowser=False, prevent_thread_lock=True, quiet=True, footer_links=[],
-                    css=read_css(), mcp_server=False)
+                    css=read_css(), mcp_server=False,
+                    app_kwargs={"middleware": host_guard(args.host)})
     except OSError as error:
         raise SpecdeckError(f"cannot serve on {args.host}:{args.port} ({error}): pick another "
                             "port with --port") from error

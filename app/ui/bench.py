@@ -19,9 +19,10 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from app.core.types import SpecdeckError
-from app.ui.chat import k_control, notice, parse_k
-from app.ui.workbench import Workbench
+from app.ui.chat import k_control, notice
+from app.ui.inputs import BENCH_LIMIT, BENCH_MAX_NEW, parse_k, whole
+from app.ui.render import refusal
+from app.ui.workbench import Busy, Workbench
 
 CLI_HINT = ("From a terminal: `specdeck bench --target MODEL [--draft DRAFT] --drafters "
             "ngram,draft --prompts spec-bench --limit 2 --json report.json --plot speedup.png`")
@@ -90,30 +91,30 @@ class BenchHandlers:
             return
         try:
             settings = benchmark.BenchSettings(drafters=tuple(drafters), ks=(parse_k(k),),
-                                               max_new_tokens=int(max_new_tokens))
-            chosen = benchmark.load_prompts(prompts, int(limit))
-        except SpecdeckError as error:
-            yield _skip(notice(str(error)))
+                                               max_new_tokens=whole(max_new_tokens,
+                                                                    BENCH_MAX_NEW))
+            chosen = benchmark.load_prompts(prompts, whole(limit, BENCH_LIMIT))
+        except Exception as error:  # noqa: BLE001 - shown in the page; nothing was taken
+            yield _skip(notice(refusal(error)))
             return
-        if not self.bench.busy.acquire(blocking=False):
-            yield _skip(notice("a generation is running: stop it, then run the benchmark"))
-            return
-        try:
-            yield from self._run(benchmark, chosen, settings)
-        finally:
-            self.bench.busy.release()
+        yield from self._run(benchmark, chosen, settings)
 
     def _run(self, benchmark: Any, prompts: list, settings: Any) -> Iterator[tuple]:
         lines: queue.Queue[str] = queue.Queue()
         result: dict[str, Any] = {}
 
         def work() -> None:
+            # the worker holds the model, not the page: a closed tab ends this generator, but
+            # the run goes on and no chat may interleave with it until it ends
             try:
-                result["report"] = benchmark.run_bench(
-                    self.bench.target, prompts, settings, backend=self.bench.backend,
-                    draft=self.bench.draft, log=lines.put)
+                with self.bench.hold():
+                    result["report"] = benchmark.run_bench(
+                        self.bench.target, prompts, settings, backend=self.bench.backend,
+                        draft=self.bench.draft, log=lines.put)
+            except Busy as error:
+                result["busy"] = str(error)
             except Exception as error:  # noqa: BLE001 - shown in the page, the app stays up
-                result["error"] = str(error)
+                result["error"] = refusal(error)
 
         started = time.perf_counter()
         worker = threading.Thread(target=work, daemon=True)
@@ -125,6 +126,9 @@ class BenchHandlers:
             except queue.Empty:
                 continue
             yield _skip(gr.skip(), log="\n".join(log[-200:]))
+        if "busy" in result:
+            yield _skip(notice(result["busy"]))
+            return
         if "error" in result:
             yield _skip(notice(f"the benchmark failed: {result['error']}"), log="\n".join(log))
             return
@@ -173,9 +177,9 @@ def build_bench_tab(bench: Workbench) -> None:
     with gr.Row():
         prompts = gr.Dropdown(list(benchmark.PROMPT_SETS), value="humaneval",
                               allow_custom_value=True, label="Prompts (set or JSONL path)")
-        limit = gr.Slider(1, 10, value=1, step=1, label="prompts per category",
-                          elem_id="bench-limit")
-        max_new = gr.Slider(16, 512, value=64, step=16, label="max new tokens",
+        limit = gr.Slider(BENCH_LIMIT.low, BENCH_LIMIT.high, value=1, step=1,
+                          label=BENCH_LIMIT.label, elem_id="bench-limit")
+        max_new = gr.Slider(16, BENCH_MAX_NEW.high, value=64, step=16, label=BENCH_MAX_NEW.label,
                             elem_id="bench-max-new")
         drafters = gr.CheckboxGroup(["ngram", "draft", "auto"], value=["ngram"],
                                     label="Drafters (plain always runs)")

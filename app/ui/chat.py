@@ -17,12 +17,23 @@ import gradio as gr
 
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.loading import chat_ids
+from app.ui.inputs import (
+    CHAT_MAX_NEW,
+    MIN_P,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    K,
+    parse_k,
+    sampling_from,
+)
 from app.ui.render import (
     POSITIONS,
     Reply,
     friendly_error,
     legend_html,
     position_frame,
+    refusal,
     reply_html,
     stats_html,
 )
@@ -31,27 +42,9 @@ from app.ui.workbench import DRAFTER_CHOICES, Workbench
 UPDATE_EVERY_S = 0.05  # at most ~20 page updates a second; the last step always shows
 STOPPED = ' <span class="sd-stopped">⏹ stopped</span>'
 DEFAULT_SYSTEM = "You are a helpful assistant."
-K_CHOICES = ["auto", *(str(k) for k in range(1, 17))]
+K_CHOICES = ["auto", *(str(k) for k in range(int(K.low), int(K.high) + 1))]
 
 Turn = dict[str, Any]  # {"role", "content", "segments": [(text, kind)], "note"}
-
-
-def sampling_from(temperature: float, top_p: float, top_k: float, min_p: float,
-                  max_new_tokens: float, seed: float | None) -> SamplingParams:
-    """The controls' values as SamplingParams; a blank or negative seed means random."""
-    seed_value = None if seed is None or seed == "" or float(seed) < 0 else int(seed)
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                          min_p=float(min_p), max_new_tokens=int(max_new_tokens), seed=seed_value)
-
-
-def parse_k(value: str | int | float) -> int | str:
-    """The k control's value: "auto" (chosen per step from measured costs) or a number."""
-    if str(value).strip() == "auto":
-        return "auto"
-    try:
-        return int(float(value))
-    except ValueError:
-        raise SpecdeckError(f"k must be auto or a whole number (got {value!r})") from None
 
 
 def k_control(default: int | str, elem_id: str) -> gr.Dropdown:
@@ -99,46 +92,39 @@ class ChatHandlers:
                request: gr.Request | None = None) -> Iterator[tuple]:
         """Yield (chatbot, turns, stats, plot, notice, message box) as the reply streams."""
         turns = list(turns or [])
-        if not self.bench.busy.acquire(blocking=False):
-            text = "the model is busy with another generation: wait for it, or press Stop there"
-            yield (gr.skip(), turns, gr.skip(), gr.skip(), notice(text), gr.skip())
-            return
         session = session_of(request)
-        cancel = self.bench.begin(session)
         try:
-            engine, choice, prompt_ids, params = self._prepare(
-                message, turns, system, (temperature, top_p, top_k, min_p, max_new_tokens, seed),
-                drafter, parse_k(k))
-        except SpecdeckError as error:
-            self.bench.end(session, cancel)
-            self.bench.busy.release()
-            gr.Warning(str(error))
-            yield (gr.skip(), turns, gr.skip(), gr.skip(), notice(str(error)), gr.skip())
-            return
-        try:
-            yield from self._stream(engine, choice.kind, prompt_ids, params, cancel, message,
-                                    turns, highlight)
-            if session in self._clearing:  # Clear was pressed mid-reply: its view wins
-                yield self.clear() + ("",)
+            # every control is checked before the model is taken
+            params = sampling_from(temperature, top_p, top_k, min_p, max_new_tokens, seed)
+            k_value = parse_k(k)
+            with self.bench.hold(session) as cancel:
+                engine, choice, prompt_ids = self._prepare(message, turns, system, drafter,
+                                                           k_value)
+                yield from self._stream(engine, choice.kind, prompt_ids, params, cancel,
+                                        message, turns, highlight)
+                if session in self._clearing:  # Clear was pressed mid-reply: its view wins
+                    yield self.clear() + ("",)
+        except Exception as error:  # noqa: BLE001 - shown in the page; the model was released
+            text = refusal(error)
+            gr.Warning(text)
+            yield (gr.skip(), turns, gr.skip(), gr.skip(), notice(text), gr.skip())
         finally:
             self._clearing.discard(session)
-            self.bench.end(session, cancel)
-            self.bench.busy.release()
 
-    def _prepare(self, message: str, turns: list[Turn], system: str, knobs: tuple,
-                 drafter: str, k: int | str) -> tuple:
+    def _prepare(self, message: str, turns: list[Turn], system: str, drafter: str,
+                 k: int | str) -> tuple:
         if not (message or "").strip():
             raise SpecdeckError("the message is empty: type something to send")
-        params = sampling_from(*knobs)
         engine, choice = self.bench.engine(drafter, k)
         try:
-            prompt_ids = chat_ids(engine.target.tokenizer, conversation(system, turns, message))
+            prompt_ids = chat_ids(engine.target.tokenizer,
+                                  conversation(system or "", turns, message))
         except Exception as error:  # noqa: BLE001 - transformers and jinja raise several kinds
             raise SpecdeckError(f"the chat template could not format this conversation "
                                 f"({error}): load an instruct model, Clear the history, or use "
                                 "the Race tab's plain prompt") from error
         engine.check_prompt(prompt_ids)
-        return engine, choice, prompt_ids, params
+        return engine, choice, prompt_ids
 
     def _stream(self, engine: Any, kind: str, prompt_ids: list[int], params: SamplingParams,
                 cancel: Any, message: str, turns: list[Turn], highlight: bool) -> Iterator[tuple]:
@@ -243,14 +229,16 @@ def build_chat_tab(bench: Workbench, default_drafter: str = "auto") -> ChatHandl
                                   info=_drafter_info(bench))
             with gr.Row():
                 k = k_control(bench.default_k, "chat-k")
-                max_new = gr.Slider(16, 4096, value=256, step=16, label="max new tokens",
-                                    elem_id="chat-max-new")
+                max_new = gr.Slider(16, CHAT_MAX_NEW.high, value=256, step=16,
+                                    label=CHAT_MAX_NEW.label, elem_id="chat-max-new")
             with gr.Accordion("Sampling", open=False):
                 system = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=2)
-                temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
-                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
-                top_k = gr.Slider(0, 200, value=0, step=1, label="top-k (0 = off)")
-                min_p = gr.Slider(0, 0.5, value=0, step=0.01, label="min-p")
+                temperature = gr.Slider(TEMPERATURE.low, TEMPERATURE.high, value=0, step=0.05,
+                                        label="temperature (0 = greedy)")
+                top_p = gr.Slider(TOP_P.low, TOP_P.high, value=1, step=0.05, label="top-p")
+                top_k = gr.Slider(TOP_K.low, TOP_K.high, value=0, step=1,
+                                  label="top-k (0 = off)")
+                min_p = gr.Slider(MIN_P.low, MIN_P.high, value=0, step=0.01, label="min-p")
                 seed = gr.Number(-1, label="seed (-1 = random)", precision=0)
     inputs = [message, turns, system, temperature, top_p, top_k, min_p, max_new, seed, drafter,
               k, highlight]

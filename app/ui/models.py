@@ -182,24 +182,14 @@ class ModelsHandlers:
         yield from self._exclusive(remove, "")
 
     def _exclusive(self, action: Callable[[], None], done: str) -> Iterator[tuple]:
-        if not self.bench.busy.acquire(blocking=False):
-            yield (gr.skip(),) * 3 + (notice("a generation is running: stop it, then retry"),)
-            return
         try:
-            action()
-        except SpecdeckError as error:
-            gr.Warning(str(error))
-            yield self.view() + (notice(str(error)),)
-            return
+            with self.bench.hold():
+                action()
         except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
-            text = f"{type(error).__name__}: {error}"
-            if isinstance(error, MemoryError) or "out of memory" in text.lower():
-                text = f"out of memory: pick a smaller pair or close other programs ({text})"
+            text = _failure(error)
             gr.Warning(text)
             yield self.view() + (notice(text),)
             return
-        finally:
-            self.bench.busy.release()
         if done:
             gr.Info(done.format(label=self.bench.label))
         yield self.view() + (notice(""),)
@@ -250,6 +240,16 @@ class ModelsHandlers:
                 f"{done.seconds:.0f} s. Press Load.")
         yield (f'<div class="sd-progress" data-finished="true">{html.escape(text)}</div>',
                _catalogue_or_empty(self.bench), notice(""))
+
+
+def _failure(error: Exception) -> str:
+    """A failed load or delete in words; memory is the usual cause, so it names the fix."""
+    if isinstance(error, SpecdeckError):
+        return str(error)
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "out of memory" in text.lower():
+        return f"out of memory: pick a smaller pair or close other programs ({text})"
+    return text
 
 
 def _catalogue_or_empty(bench: Workbench) -> pd.DataFrame:

@@ -18,8 +18,9 @@ import gradio as gr
 
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.loading import chat_ids
-from app.ui.chat import k_control, notice, parse_k, sampling_from, session_of
-from app.ui.render import Reply, escape_verbatim, friendly_error, legend_html, reply_html
+from app.ui.chat import k_control, notice, session_of
+from app.ui.inputs import RACE_MAX_NEW, TEMPERATURE, parse_k, sampling_from
+from app.ui.render import Reply, escape_verbatim, friendly_error, legend_html, refusal, reply_html
 from app.ui.workbench import DRAFTER_CHOICES, Workbench
 
 
@@ -152,19 +153,21 @@ class RaceHandlers:
             temperature: float, seed: float | None, highlight: bool,
             request: gr.Request | None = None) -> Iterator[tuple]:
         """Yield (plain html, spec html, plain stats, spec stats, verdict, notice)."""
-        if not self.bench.busy.acquire(blocking=False):
-            yield (gr.skip(),) * 5 + (notice("the model is busy: wait or press Stop"),)
-            return
         try:
-            plain, spec, label, ids, params = self._prepare(prompt, as_chat, drafter, parse_k(k),
-                                                            max_new_tokens, temperature, seed)
-        except SpecdeckError as error:
-            self.bench.busy.release()
-            gr.Warning(str(error))
-            yield (gr.skip(),) * 5 + (notice(str(error)),)
-            return
-        session = session_of(request)
-        cancel = self.bench.begin(session)
+            # every control is checked before the model is taken
+            params = sampling_from(temperature, 1.0, 0, 0.0, max_new_tokens, seed,
+                                   max_new=RACE_MAX_NEW)
+            k_value = parse_k(k)
+            with self.bench.hold(session_of(request)) as cancel:
+                plain, spec, label, ids = self._prepare(prompt, as_chat, drafter, k_value)
+                yield from self._race(plain, spec, label, ids, params, cancel, highlight)
+        except Exception as error:  # noqa: BLE001 - shown in the page; the model was released
+            text = refusal(error)
+            gr.Warning(text)
+            yield (gr.skip(),) * 5 + (notice(text),)
+
+    def _race(self, plain: Any, spec: Any, label: str, ids: list[int], params: SamplingParams,
+              cancel: Any, highlight: bool) -> Iterator[tuple]:
         last, lanes = 0.0, None
         frames = race(plain, spec, ids, params, cancel)
         try:
@@ -176,15 +179,10 @@ class RaceHandlers:
                 yield self._frame(lanes, label, highlight, verdict(*lanes, params.greedy))
         finally:
             frames.close()
-            self.bench.end(session, cancel)
-            self.bench.busy.release()
 
-    def _prepare(self, prompt: str, as_chat: bool, drafter: str, k: int | str,
-                 max_new_tokens: float,
-                 temperature: float, seed: float | None) -> tuple:
+    def _prepare(self, prompt: str, as_chat: bool, drafter: str, k: int | str) -> tuple:
         if not (prompt or "").strip():
             raise SpecdeckError("the prompt is empty: type something to race on")
-        params = sampling_from(temperature, 1.0, 0, 0.0, max_new_tokens, seed)
         spec, choice = self.bench.engine(drafter, k)
         if choice.kind == "none":
             raise SpecdeckError("pick a drafter (auto, ngram or draft) to race against plain "
@@ -196,7 +194,7 @@ class RaceHandlers:
         else:
             ids = list(tokenizer.encode(prompt))
         plain.check_prompt(ids)
-        return plain, spec, f"speculative ({choice.kind}, k {spec.k})", ids, params
+        return plain, spec, f"speculative ({choice.kind}, k {spec.k})", ids
 
     def _frame(self, lanes: tuple[Lane, Lane], label: str, highlight: bool, result: str) -> tuple:
         plain, spec = lanes
@@ -219,11 +217,12 @@ def build_race_tab(bench: Workbench, stop_handler: Any) -> RaceHandlers:
             drafter = gr.Dropdown([c for c in DRAFTER_CHOICES if c != "none"], value="auto",
                                   label="Drafter", elem_id="race-drafter")
             k = k_control(bench.default_k, "race-k")
-            max_new = gr.Slider(16, 2048, value=128, step=16, label="max new tokens",
-                                elem_id="race-max-new")
+            max_new = gr.Slider(16, RACE_MAX_NEW.high, value=128, step=16,
+                                label=RACE_MAX_NEW.label, elem_id="race-max-new")
     with gr.Row():
         as_chat = gr.Checkbox(True, label="Wrap in the chat template")
-        temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
+        temperature = gr.Slider(TEMPERATURE.low, TEMPERATURE.high, value=0, step=0.05,
+                                label="temperature (0 = greedy)")
         seed = gr.Number(-1, label="seed (-1 = random)", precision=0)
         highlight = gr.Checkbox(True, label="Highlight accepted draft tokens")
     with gr.Row():

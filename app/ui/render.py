@@ -8,13 +8,14 @@ accumulator, so handler tests check them without a browser.
 from __future__ import annotations
 
 import html
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from app.core.text import IncrementalDetokenizer
-from app.core.types import Done, RunStats, Step
+from app.core.types import Done, RunStats, SpecdeckError, Step
 
 # provenance of a committed token (LANDSCAPE: per-token provenance, EAGLE's highlight)
 KINDS = {
@@ -156,6 +157,15 @@ def position_frame(stats: RunStats | None) -> pd.DataFrame:
     # typed columns even when empty: the chart's axis kinds are fixed by its first value
     return pd.DataFrame({"position": pd.Series(POSITIONS[:len(rates)], dtype="str"),
                          "acceptance": pd.Series([round(r, 3) for r in rates], dtype="float")})
+
+
+def refusal(error: Exception) -> str:
+    """What the page says about an error a handler raised: a SpecdeckError names its fix;
+    anything else is a library failure or a bug, so its traceback goes to the log too."""
+    if isinstance(error, SpecdeckError):
+        return str(error)
+    logging.getLogger("specdeck.ui").error("a handler failed", exc_info=error)
+    return friendly_error(f"{type(error).__name__}: {error}")
 
 
 def friendly_error(error: str) -> str:

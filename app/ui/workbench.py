@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,10 @@ from app.core.types import SpecdeckError
 from app.drafters.pairing import check_vocab_compatible
 
 DRAFTER_CHOICES = drafters.CHOICES
+
+
+class Busy(SpecdeckError):
+    """The model is held by other work (a generation, a benchmark, a load or a delete)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,23 @@ class Workbench:
         if event is not None:
             event.set()
         return event is not None
+
+    @contextmanager
+    def hold(self, session: str | None = None) -> Iterator[threading.Event]:
+        """Hold the model for one piece of work; released on every exit, exception or not.
+
+        Raises Busy, taking nothing, when other work holds it. Yields the session's cancel
+        flag (Stop and a closed tab set it); without a session nobody can cancel the work."""
+        if not self.busy.acquire(blocking=False):
+            raise Busy("the model is busy with other work (a generation, a benchmark or a "
+                       "load): wait for it to end, or press Stop on the generation")
+        cancel = self.begin(session) if session is not None else threading.Event()
+        try:
+            yield cancel
+        finally:
+            if session is not None:
+                self.end(session, cancel)
+            self.busy.release()
 
     def memory(self) -> dict[str, int]:
         """Bytes: weights of the loaded models, this process now and the device's peak."""

@@ -643,6 +643,18 @@ def test_a_corrupted_installed_file_is_refused_at_load_naming_pull_verify(hub, c
         store.installed_paths("tiny+ngram", "torch", catalogue)
 
 
+def test_a_corrupted_store_file_given_by_path_is_refused_too(hub, catalogue, tmp_path):
+    pull(catalogue, "hub", pair="tiny+ngram")
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)
+    store.check_file(target, catalogue)
+    flip_byte(target)
+    with pytest.raises(SpecdeckError, match="specdeck pull --verify tiny\\+ngram"):
+        store.check_file(target, catalogue)
+    outside = tmp_path / "mine.gguf"
+    outside.write_bytes(b"not the store's")
+    store.check_file(outside, catalogue)  # not a pulled file: nothing to check against
+
+
 def test_a_touched_but_intact_file_is_rehashed_once_then_trusted_again(hub, catalogue,
                                                                        monkeypatch):
     from app.store import integrity

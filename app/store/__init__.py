@@ -323,10 +323,13 @@ def _check_installed(model: ModelSpec, backend: str, report: Reporter,
         return 0, ()
     if full:
         report.note(f"checking the sha256 of every file of {model.id}")
-    with _model_lock(model.id, backend, report):
+    result = check_model(model, backend, full)
+    if result is None or result.ok:
+        return (len(result.records) if result else 0), ()
+    with _model_lock(model.id, backend, report):  # the lock only to change files (repair)
         result = check_model(model, backend, full)
         if result is None or result.ok:
-            return (len(result.records) if result else 0), ()
+            return (len(result.records) if result else 0), ()  # another pull repaired it
         report.note(f"{model.id}: {', '.join(result.bad)} failed the sha256 check; "
                     "downloading it again")
         good = [r.name for r in result.records if r.name not in result.bad]

@@ -39,6 +39,7 @@ def load_engine(args: Any) -> Loaded:
                             "same family)")
     backend = load_backend(args.backend)
     target_path = str(pair[0]) if pair else args.target
+    _refuse_corrupted_files(target_path, draft_path)
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
     notes: tuple[str, ...] = ()
     if drafter_kind == "auto":
@@ -68,6 +69,16 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
         return None
     return store.installed_paths(target, None if backend == "auto" else backend,
                                  need_draft=False)
+
+
+def _refuse_corrupted_files(*paths: str | None) -> None:
+    """A pulled model's file given by path is checked like one given by pair id (a pair's
+    were checked when its paths were looked up; checking again costs a stat)."""
+    from app import store
+
+    for path in paths:
+        if path:
+            store.check_file(path)
 
 
 def _auto_drafter(args: Any, backend: str, draft_path: str | None

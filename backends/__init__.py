@@ -13,6 +13,10 @@ from typing import Any
 from app.core.types import SpecdeckError
 
 BACKENDS = ("torch", "mlx")
+# the packages of pyproject.toml's extras of the same names (a test keeps them in step)
+EXTRAS = {"torch": ("torch>=2.4", "transformers>=4.56", "accelerate>=1.0", "gguf>=0.10",
+                    "safetensors>=0.4", "sentencepiece>=0.2"),
+          "mlx": ("mlx>=0.26", "mlx-lm>=0.26")}
 
 
 def detect_backend() -> str:
@@ -39,6 +43,17 @@ def load_backend(name: str = "auto") -> Any:
     raise SpecdeckError(f"unknown backend {name!r}: use auto, {' or '.join(BACKENDS)}")
 
 
+def install_hint(extra: str) -> str:
+    """A pip command that installs a backend's packages here. Not `specdeck[extra]`: specdeck
+    is not on PyPI, so pip would fetch nothing (or another project) under that name."""
+    system = platform.system()
+    packages = EXTRAS[extra]
+    if extra == "mlx" and system == "Linux":
+        packages = ("mlx[cpu]>=0.26.5", "mlx-lm>=0.26")  # Linux has only MLX's CPU build
+    return "pip install " + " ".join(f"'{p}'" if "[" in p or ">" in p else p for p in packages)
+
+
 def _need(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise SpecdeckError(f"the {extra} backend needs {module}: pip install 'specdeck[{extra}]'")
+        raise SpecdeckError(f"the {extra} backend needs {module}: {install_hint(extra)} "
+                            f"(from a specdeck checkout: pip install -e '.[{extra}]')")

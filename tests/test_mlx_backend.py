@@ -26,7 +26,8 @@ from app.core.types import Draft, SamplingParams, SpecdeckError  # noqa: E402
 from app.core.verify import verify_sampled  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends import load_backend  # noqa: E402
-from backends.mlx.backend import CONVERTED_SUFFIX, MlxBackend, MlxModel  # noqa: E402
+from backends.gguf import converted_path, record_source  # noqa: E402
+from backends.mlx.backend import MlxBackend, MlxModel  # noqa: E402
 from backends.mlx.drafters import DraftModelDrafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.conftest import mlx_twin, save_hf_folder, tiny_llama, tiny_tokenizer  # noqa: E402
@@ -67,14 +68,10 @@ def test_dtype_flag_casts_the_weights(mlx_target, tmp_path):
 def test_a_gguf_path_uses_its_converted_folder_without_converting_again(tmp_path):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"not read: the converted folder next to it exists")
-    save_hf_folder(tiny_llama(1), tmp_path / f"tiny.gguf{CONVERTED_SUFFIX}")
+    folder = save_hf_folder(tiny_llama(1), converted_path(gguf))
+    record_source(gguf, folder)  # what a finished conversion writes last
     model = MlxBackend().load(str(gguf), device="cpu")
     assert model.name == "tiny" and model.vocab_size == 48
-
-
-def test_the_converted_folder_is_the_one_the_torch_backend_writes():
-    from backends.torch import backend as torch_backend
-    assert CONVERTED_SUFFIX == torch_backend.CONVERTED_SUFFIX
 
 
 def test_a_quantized_mlx_community_style_folder_loads_and_decodes_losslessly(tmp_path):

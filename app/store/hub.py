@@ -95,8 +95,9 @@ def remaining_bytes(files: list[RemoteFile], staging: Path) -> int:
 
 
 def fetch(model_id: str, source: HubSource, files: list[RemoteFile], staging: Path,
-          report: Reporter) -> list[tuple[Path, str]]:
-    """Download what is not staged yet; verify each file. Returns (staged path, name)."""
+          report: Reporter) -> list[tuple[Path, str, str | None]]:
+    """Download what is not staged yet; verify each file. Returns (staged path, name, sha256
+    when the hub lists it: LFS files; small files are hashed at install)."""
     from huggingface_hub import hf_hub_download
 
     staged = []
@@ -108,7 +109,7 @@ def fetch(model_id: str, source: HubSource, files: list[RemoteFile], staging: Pa
                                 local_dir=staging, endpoint=endpoint(),
                                 tqdm_class=_bar_class(report, model_id, remote.name))
             verify(path, remote)
-        staged.append((path, remote.name))
+        staged.append((path, remote.name, remote.sha256))
     return staged
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -29,19 +29,34 @@ ProgressFn = Callable[[Progress], None]
 
 
 class Reporter:
-    """Counts bytes across the whole pull and forwards Progress to the callback."""
+    """Counts bytes across the whole pull and forwards Progress to the callback.
+
+    `done` counts the bytes that came over the wire; the position shown moves with them and
+    jumps to each model's planned end when it finishes, so the last report reads 100%: a
+    mirror's wheels are compressed, so they carry fewer bytes than the file they assemble."""
 
     def __init__(self, pair_id: str, callback: ProgressFn) -> None:
         self.pair_id, self.callback = pair_id, callback
-        self.done = self.total = 0
+        self.done = self.total = self.shown = 0
+        self.last = Progress(pair_id)
 
     def note(self, message: str) -> None:
-        self.callback(Progress(self.pair_id, done=self.done, total=self.total, message=message))
+        self.callback(Progress(self.pair_id, done=self.shown, total=max(self.total, self.shown),
+                               message=message))
 
     def chunk(self, model_id: str, file: str, n: int, file_done: int, file_total: int) -> None:
         self.done += n
-        self.callback(Progress(self.pair_id, model_id, file, file_done, file_total,
-                               self.done, max(self.total, self.done)))
+        self.shown += n
+        self.last = Progress(self.pair_id, model_id, file, file_done, file_total, self.shown,
+                             max(self.total, self.shown))
+        self.callback(self.last)
+
+    def settle(self, planned_end: int) -> None:
+        """A model is installed: the bytes planned up to its end all count as done."""
+        self.shown = max(self.shown, planned_end)
+        self.total = max(self.total, self.shown)
+        if self.last.file:  # nothing to settle on a pull that moved no bytes
+            self.callback(replace(self.last, done=self.shown, total=self.total))
 
 
 class TerminalProgress:

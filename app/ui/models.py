@@ -1,8 +1,9 @@
-"""The Models tab: the pair catalogue, download with progress, load, delete; local files too.
+"""The Models tab: the pair catalogue, download with progress, verify, load, delete; local files.
 
 Knows: the catalogue (app.catalogue.registry), the store's API (list_pairs, pull with a progress
-callback, installed_paths, delete) and the planner's drafter choice with its reasons; how a
-load swaps the Workbench's models. Must not know: array libraries, file formats, sources.
+callback and verify, installed_paths, delete) and the planner's drafter choice with its
+reasons; how a load swaps the Workbench's models. Must not know: array libraries, file
+formats, sources.
 """
 
 from __future__ import annotations
@@ -196,6 +197,14 @@ class ModelsHandlers:
 
     def download(self, pair_id: str | None) -> Iterator[tuple]:
         """Pull a pair with a progress bar in the page; yields (progress, catalogue, notice)."""
+        yield from self._pull(pair_id, verify=False)
+
+    def verify(self, pair_id: str | None) -> Iterator[tuple]:
+        """`specdeck pull --verify`: rehash every installed file of the pair, fetch again what
+        fails; yields (progress, catalogue, notice) like download."""
+        yield from self._pull(pair_id, verify=True)
+
+    def _pull(self, pair_id: str | None, verify: bool) -> Iterator[tuple]:
         from app import store
 
         if not pair_id:
@@ -216,7 +225,7 @@ class ModelsHandlers:
         def work() -> None:
             try:
                 result["done"] = store.pull(pair_id, progress=updates.put,
-                                            backend=_store_backend(self.bench))
+                                            backend=_store_backend(self.bench), verify=verify)
             except SpecdeckError as error:
                 result["error"] = str(error)
             except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
@@ -236,7 +245,8 @@ class ModelsHandlers:
             yield gr.skip(), _catalogue_or_empty(self.bench), notice(result["error"])
             return
         done = result["done"]
-        text = (f"{pair_id} is ready: {human_bytes(done.bytes_downloaded)} in "
+        text = (store.pull_summary(done, verify=True) if verify else
+                f"{pair_id} is ready: {human_bytes(done.bytes_downloaded)} in "
                 f"{done.seconds:.0f} s. Press Load.")
         yield (f'<div class="sd-progress" data-finished="true">{html.escape(text)}</div>',
                _catalogue_or_empty(self.bench), notice(""))
@@ -284,6 +294,7 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
         pair = gr.Dropdown(ids, value=bench.pair_id or (ids[0] if ids else None), label="Pair",
                            elem_id="models-pair", scale=3)
         download = gr.Button("Download", elem_id="models-download", scale=1)
+        verify = gr.Button("Verify", elem_id="models-verify", scale=1)
         load = gr.Button("Load", variant="primary", elem_id="models-load", scale=1)
         delete = gr.Button("Delete", variant="stop", elem_id="models-delete", scale=1)
     progress = gr.HTML("", elem_id="models-progress")
@@ -298,6 +309,8 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
     download.click(handlers.download, pair, [progress, table, models_notice],
                    concurrency_id="download", concurrency_limit=1).then(
         lambda p: pair_details(bench, p), pair, details)
+    verify.click(handlers.verify, pair, [progress, table, models_notice],
+                 concurrency_id="download", concurrency_limit=1)
     loads = [load.click(handlers.load, pair, outputs, concurrency_id="model",
                         concurrency_limit=1),
              load_files.click(handlers.load_files, [target, draft], outputs,

@@ -1,7 +1,7 @@
 """MLX + mlx-lm adapter: load a target, run forwards on an mlx-lm prompt cache, trim it back.
 
 Knows: mlx-lm's model loading (HF-format folders: mlx-community repos, quantized or not, and
-the safetensors folder the torch backend converts a GGUF into), its cache classes and their
+the safetensors folder backends/gguf.py converts a GGUF into), its cache classes and their
 trim contract, MLX devices, dtypes and memory counters, layer hooks for hidden-state capture.
 Must not know: drafting or verification rules (app/), sampling (app/core/sampling.py turns the
 host logits of both backends into probabilities, so plain and speculative decoding share one
@@ -25,8 +25,8 @@ from transformers import AutoTokenizer
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
+from backends.gguf import hf_folder
 
-CONVERTED_SUFFIX = ".specdeck-hf"  # the folder torch_backend.convert_gguf writes next to a .gguf
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
 _DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
            "bf16": mx.bfloat16, "float16": mx.float16, "fp16": mx.float16}
@@ -194,7 +194,7 @@ class MlxBackend:
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> MlxModel:
         stream = resolve_device(device)
-        folder = _hf_folder(Path(path))
+        folder = hf_folder(Path(path))
         config = load_config(folder)
         try:
             with mx.stream(stream):
@@ -212,33 +212,6 @@ class MlxBackend:
     def draft_model_drafter(self, target: MlxModel, draft: MlxModel, vocab_limit: int = 0) -> Any:
         from backends.mlx.drafters import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-
-
-def _hf_folder(path: Path) -> Path:
-    """An HF-format folder for path: itself, or the safetensors copy of a .gguf file."""
-    if not path.exists():
-        raise SpecdeckError(f"model not found: {path}. Give an HF model folder (e.g. an "
-                            "mlx-community repo) or a .gguf file, or download a pair with "
-                            "`specdeck pull`")
-    if path.is_dir():
-        return path
-    if path.suffix != ".gguf":
-        raise SpecdeckError(f"{path} is neither a folder nor a .gguf file")
-    converted = path.with_name(path.name + CONVERTED_SUFFIX)
-    if not (converted / "config.json").exists():
-        _convert_with_torch(path, converted)
-    return converted
-
-
-def _convert_with_torch(gguf: Path, dest: Path) -> None:
-    # MLX cannot read k-quant GGUF blocks; the torch backend dequantizes them once
-    try:
-        from backends.torch.backend import convert_gguf
-    except ImportError as error:
-        raise SpecdeckError(f"{gguf.name} must be converted to safetensors once, which needs "
-                            "the torch extra: pip install 'specdeck[torch]', then run again "
-                            "(later MLX loads use the converted folder)") from error
-    convert_gguf(gguf, dest)
 
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,18 +1,14 @@
 """PyTorch + transformers adapter: load a target, run forwards on a DynamicCache, rewind it.
 
-Knows: transformers' AutoModelForCausalLM, GGUF loading and the one-time safetensors
-conversion, devices and dtypes, layer hooks for hidden-state capture. Must not know:
-drafting or verification rules (app/), the catalogue of pairs.
+Knows: transformers' AutoModelForCausalLM (a .gguf loads through the safetensors folder
+backends/gguf.py keeps next to it), devices and dtypes, layer hooks for hidden-state capture.
+Must not know: drafting or verification rules (app/), the catalogue of pairs.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import resource
-import shutil
-import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
+from backends.gguf import hf_folder
 from backends.torch import attention as torch_attention
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
@@ -33,7 +30,6 @@ QUANTIZED = ("int8", "w8a8")
 _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 # oneDNN's bf16 matmul takes another path for a single row (2-9 rows gave the same bits per
 # row): padding every forward to 2 rows, with attention made row-invariant by
 # backends/torch/attention.py, makes plain and speculative decoding share numerics.
@@ -316,7 +312,7 @@ class TorchBackend:
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> TorchModel:
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device)
-        folder = _hf_folder(Path(path))
+        folder = str(hf_folder(Path(path)))
         hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
         # on CPU, row-invariant attention keeps plain and speculative numerics equal (and
         # gives each tree row exactly the keys its chain twin sees)
@@ -366,48 +362,6 @@ class SubsetHead(torch.nn.Module):
         part = self.sub(x)
         full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids.to(part.device), part)
-
-
-def _hf_folder(path: Path) -> str:
-    """An HF-format folder for path: itself, or the cached conversion of a .gguf file."""
-    if not path.exists():
-        raise SpecdeckError(f"model not found: {path}. Give an HF model folder or a .gguf file, "
-                            "or download a pair with `specdeck pull`")
-    if path.is_dir():
-        return str(path)
-    if path.suffix != ".gguf":
-        raise SpecdeckError(f"{path} is neither a folder nor a .gguf file")
-    converted = path.with_name(path.name + CONVERTED_SUFFIX)
-    if not (converted / "config.json").exists():
-        convert_gguf(path, converted)
-    return str(converted)
-
-
-def convert_gguf(gguf: Path, dest: Path) -> None:
-    """Dequantize a GGUF once into an fp32 safetensors folder; dest appears only when complete."""
-    print(f"specdeck: converting {gguf.name} to safetensors once (later loads take seconds)...",
-          file=sys.stderr)
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as error:
-        raise SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
-                            "corrupt: delete it and download it again") from error
-    # transformers refuses to save GGUF-quantized models; the weights are already dequantized
-    hf.hf_quantizer = None
-    if hasattr(hf.config, "quantization_config"):
-        del hf.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=dest.parent))
-    try:
-        hf.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, dest)
-    except OSError as error:
-        raise SpecdeckError(f"could not write the converted model to {dest}: {error}. Free "
-                            "some disk space and run again") from error
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:

@@ -7,6 +7,7 @@ import numpy as np
 
 from app.core.engine import SpecEngine
 from app.core.types import SamplingParams
+from app.drafters import build_drafter
 from app.drafters.draft_model import DraftModelDrafter
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -83,18 +84,24 @@ def test_context_missed_while_speculation_was_off_is_read_as_catch_up(target):
     assert resumed.tokens == fresh.propose(later, 2).tokens
 
 
+def lookup_then(target, draft):
+    from backends.torch.backend import TorchBackend
+    return build_drafter("chain", target, backend=TorchBackend(), draft=draft)
+
+
 def test_a_context_that_repeats_itself_is_drafted_by_lookup_without_a_draft_forward(target):
-    drafter = DraftModelDrafter(target, target)
+    chain = lookup_then(target, target)
     context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
-    assert drafter.propose(context, 4).tokens == (4, 5, 6, 7)
-    assert drafter._session.length == 0
+    draft = chain.propose(context, 4)
+    assert (draft.tokens, draft.source) == ((4, 5, 6, 7), "lookup")
+    assert chain.members[1]._session.length == 0
 
 
 def test_a_match_with_fewer_than_k_tokens_after_it_is_left_to_the_model(target):
-    drafter = DraftModelDrafter(target, target)
-    draft = drafter.propose([7, 1, 2, 3, 9, 1, 2, 3], 8)
-    assert len(draft.tokens) == 8
-    assert drafter._session.length > 0
+    chain = lookup_then(target, target)
+    draft = chain.propose([7, 1, 2, 3, 9, 1, 2, 3], 8)
+    assert (len(draft.tokens), draft.source) == (8, "draft")
+    assert chain.members[1]._session.length > 0
 
 
 def test_lookup_first_drafting_keeps_the_output_of_a_repetitive_prompt(target, unrelated):
@@ -103,8 +110,18 @@ def test_lookup_first_drafting_keeps_the_output_of_a_repetitive_prompt(target, u
     prompt = [4, 8, 15, 16, 23, 42, 7, 4, 8, 15, 16, 23, 42, 7, 4, 8, 15]
     params = SamplingParams(max_new_tokens=40)
     plain = list(SpecEngine(target).generate(prompt, params))[-1]
-    for lookup_min_n in (0, 3):
-        drafter = DraftModelDrafter(target, unrelated, lookup_min_n=lookup_min_n)
+    for drafter in (DraftModelDrafter(target, unrelated), lookup_then(target, unrelated)):
         done = list(SpecEngine(target, drafter, k=4).generate(prompt, params))[-1]
         assert done.token_ids == plain.token_ids
         assert done.stats.drafted > 0
+
+
+def test_a_chain_reports_each_members_share_and_the_draft_model_its_own_acceptance(target):
+    # the target as its own draft model: every model draft is accepted, whatever lookup did
+    prompt = [4, 8, 15, 16, 23, 42, 7, 4, 8, 15, 16, 23, 42, 7, 4, 8, 15]
+    done = list(SpecEngine(target, lookup_then(target, target), k=4).generate(
+        prompt, SamplingParams(max_new_tokens=40)))[-1]
+    members = {d.name: d for d in done.stats.drafters}
+    assert members["draft"].drafted > 0 and members["draft"].acceptance_rate >= 0.99
+    assert sum(d.drafted for d in members.values()) == done.stats.drafted
+    assert sum(d.accepted for d in members.values()) == done.stats.accepted

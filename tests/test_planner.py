@@ -233,6 +233,6 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
     assert any("is not downloaded" in note for note in ngram.notes)
     install_folder("qwen2.5-coder-0.5b-instruct-q4km", unrelated)
     loaded = load_engine(engine_args(pair, "auto"))
-    assert loaded.drafter_name == "draft"
+    assert loaded.drafter_name == "chain"  # the pair's draft model, behind prompt lookup
     assert loaded.notes[0].startswith("drafter: draft qwen2.5-coder-0.5b-instruct-q4km")
     assert load_engine(engine_args(pair, "draft")).drafter_name == "draft"

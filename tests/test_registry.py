@@ -143,7 +143,7 @@ def test_the_minimal_valid_catalogue_loads(tmp_path):
     ("    k: 4\n", "    k: four\n", "    k: four", "field 'k' must be a integer"),
     ("    k: 4\n", "    k: 0\n", "    k: 0", "field 'k' must be an integer >= 1"),
     ("{kind: draft, model: b}", "{kind: telepathy, model: b}", "    drafter:",
-     "field 'kind' must be one of ngram, draft"),
+     "field 'kind' must be one of ngram, ngram-tree, draft"),
     ("    target: a\n", "    target: zz\n", "    target: zz", "unknown model 'zz'"),
     ("sha256: aaaa", "sha256: AAAA", "            sha256:", "64 lower-case hex"),
     ("    name: A\n", "    nmae: A\n", "    nmae: A", "missing field 'name': is 'nmae' a typo?"),

@@ -37,7 +37,7 @@ from app import drafters
 from app.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompts
 from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
 from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
-from app.core.engine import SpecEngine, last_done
+from app.core.engine import SpecEngine, check_k, last_done
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
 from app.loading import encode_prompt
 
@@ -132,15 +132,17 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
         if kind == "none":
             continue
         resolved = ("chain" if draft is not None else "ngram") if kind == "auto" else kind
+        drafter, why = None, ""
         try:
             drafter = drafters.build_drafter(resolved, target, backend=backend, draft=draft,
                                              vocab_limit=settings.draft_vocab)
         except (SpecdeckError, TypeError, ValueError) as error:
-            drafter, why = None, f"{type(error).__name__}: {error}"
+            why = f"{type(error).__name__}: {error}"
         for k in settings.ks:
             name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
-            if drafter is None:
-                unavailable[name] = why
+            reason = why or _k_problem(k)
+            if reason:
+                unavailable[name] = reason
                 continue
             runners.append(_EngineRunner(Config(name, resolved, k), engine, drafter))
     if settings.compare_hf:
@@ -151,6 +153,14 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
                 continue
             runners.append(_HfRunner(Config(method, method, "hf"), target, draft))
     return runners, unavailable
+
+
+def _k_problem(k: int | str) -> str:
+    try:
+        check_k(k)
+    except SpecdeckError as error:
+        return f"SpecdeckError: {error}"
+    return ""
 
 
 # ---------------------------------------------------------------- the interleaved run

@@ -162,7 +162,7 @@ class SpecEngine:
 
     def __init__(self, target: Model, drafter: Drafter | None = None, k: int | str = 4,
                  k_max: int = 8) -> None:
-        _check_k(k)
+        check_k(k)
         self.target = target
         self.drafter: Drafter = drafter or NoDrafter()
         self.k: int | str = k if drafter is not None else 0
@@ -209,7 +209,7 @@ class SpecEngine:
         self.check_prompt(prompt_ids)
         if drafter is None:
             drafter, k = self.drafter, (self.k if k is None else k)
-        _check_k(4 if k is None else k)
+        check_k(4 if k is None else k)
         if not self._running.acquire(blocking=False):
             raise SpecdeckError("this model is already generating: wait for it or stop it")
         try:
@@ -377,7 +377,7 @@ class _StepResult:
     reason: StopReason | None
 
 
-def _check_k(k: object) -> None:
+def check_k(k: object) -> None:
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K):
         raise SpecdeckError(f"k must be an integer from 0 to {MAX_K}, or 'auto' (got {k!r})")
 

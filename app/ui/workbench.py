@@ -62,9 +62,14 @@ class Workbench:
         return self.target is not None
 
     def attach(self, target: Any, draft: Any = None, label: str = "",
-               pair_id: str | None = None, auto_kind: Choice | None = None) -> None:
-        """Install a loaded target (and draft); the engine and drafters are built lazily."""
+               pair_id: str | None = None, auto_kind: Choice | None = None,
+               engines: Callable[[str], Any] | None = None) -> None:
+        """Install a loaded target (and draft); the engine and drafters are built lazily.
+
+        engines(lane) builds a lane's engine (default: a SpecEngine on target; tests script one).
+        """
         self.target, self.draft = target, draft
+        self._new_engine = engines or (lambda _lane: SpecEngine(target))
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
         self._engines, self._drafters = {}, {}
@@ -124,7 +129,7 @@ class Workbench:
                                 "for plain decoding")
         choice = self.resolve(kind)
         if lane not in self._engines:
-            self._engines[lane] = SpecEngine(self.target)
+            self._engines[lane] = self._new_engine(lane)
         if choice.kind not in self._drafters:
             self._drafters[choice.kind] = drafters.build_drafter(
                 choice.kind, self.target, backend=self.backend, draft=self.draft)

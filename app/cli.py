@@ -3,7 +3,8 @@
 Knows: flags, their validation and how to print results (text or the --json contract).
 Must not know: array libraries (backends are loaded through backends.load_backend). Each
 subcommand lives in the module that owns it and registers itself through `add_subcommand`;
-a user error prints one line naming the fix and exits 2, never a traceback.
+a user error prints one line naming the fix and exits 2, never a traceback; output piped
+into a reader that stops early (`| head`) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -28,6 +30,8 @@ DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 dr
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
     "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe")
+SEED_LIMIT = 2**64  # numpy's generators take seeds in [0, 2**64)
+CLOSED_PIPE_EXIT = 141  # what a shell reports for a writer ended by SIGPIPE (128 + 13)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +48,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdeck: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+    except OSError as error:  # a file or folder the command needs: one line, not a traceback
+        print(f"specdeck: error: {os_error_message(error)}", file=sys.stderr)
+        return 2
+
+
+def _closed_pipe() -> int:
+    # the reader left (`| head`): later writes, and the interpreter's final flush, go nowhere
+    # instead of raising again
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return CLOSED_PIPE_EXIT
+
+
+def os_error_message(error: OSError) -> str:
+    """An OSError as one line naming the fix; SPECDECK_HOME that is not a folder is named."""
+    home = os.environ.get("SPECDECK_HOME")
+    if home and Path(home).exists() and not Path(home).is_dir():
+        return (f"SPECDECK_HOME={home} is a file, not a folder: set SPECDECK_HOME to a folder "
+                "(or unset it to use ~/.cache/specdeck)")
+    where = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror or error}{where}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +128,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise SpecdeckError(f"--seed must be in 0..2**64-1 (got {args.seed}); leave it out "
+                            "for a random seed")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
                           stop=tuple(args.stop))
@@ -124,13 +154,25 @@ def read_prompt(args: argparse.Namespace) -> str:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise SpecdeckError(f"prompt file not found: {path}")
-        text = path.read_text(encoding="utf-8")
+        text = _prompt_text(path)
     elif args.prompt is not None:
         text = args.prompt
     else:
         raise SpecdeckError("give a prompt with --prompt TEXT or --prompt-file FILE")
     if not text.strip():
         raise SpecdeckError("the prompt is empty: give some text to continue")
+    return text
+
+
+def _prompt_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise SpecdeckError(f"prompt file {path} is not UTF-8 text (byte {error.start} "
+                            "cannot be decoded): give a text file") from error
+    if "\x00" in text:
+        raise SpecdeckError(f"prompt file {path} holds NUL bytes, so it is not text: give a "
+                            "text file")
     return text
 
 

@@ -40,6 +40,14 @@ def free_port() -> int:
 @contextmanager
 def specdeck_serve(args: Sequence[str], log: Path, timeout: float = 180.0) -> Iterator[str]:
     """Run `specdeck serve ARGS` until the block ends; yields its base URL (…/v1)."""
+    with serve_process(args, log, timeout) as (_, url):
+        yield url
+
+
+@contextmanager
+def serve_process(args: Sequence[str], log: Path, timeout: float = 180.0
+                  ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`specdeck serve ARGS` as a process, healthy: yields it and its base URL (…/v1)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models: threads only add contention
     with log.open("w") as out:
@@ -48,7 +56,7 @@ def specdeck_serve(args: Sequence[str], log: Path, timeout: float = 180.0) -> It
                                    stderr=subprocess.STDOUT)
     try:
         _wait_healthy(process, port, log, timeout)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield process, f"http://127.0.0.1:{port}/v1"
     finally:
         process.terminate()
         try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +62,8 @@ BAD = [
     (["--prompt", "   "], "the prompt is empty"),
     (["--prompt", " ".join(["w7"] * 300)], "takes at most 256"),
     (["--prompt", "w1", "--drafter", "draft"], "needs --draft"),
+    (["--prompt", "w1", "--seed", "-1"], "--seed must be in 0..2**64-1"),
+    (["--prompt", "w1", "--seed", str(2**64)], "--seed must be in 0..2**64-1"),
 ]
 
 
@@ -73,3 +78,45 @@ def test_bad_input_is_one_clear_line_and_exit_2(tiny_folder, capsys, args, messa
 def test_missing_target_names_the_fix(capsys):
     code, _, err = generate(capsys, "--target", "/nonexistent/model.gguf", "--prompt", "hi")
     assert code == 2 and "specdeck pull" in err
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"w5 w9\x00\x00 w12"],
+                         ids=["not-utf8", "nul-bytes"])
+def test_a_binary_prompt_file_is_one_clear_line(tiny_folder, capsys, tmp_path, content):
+    path = tmp_path / "prompt.bin"
+    path.write_bytes(content)
+    code, _, err = generate(capsys, "--target", str(tiny_folder), "--prompt-file", str(path))
+    assert code == 2 and "give a text file" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_specdeck_home_that_is_a_file_names_the_fix(capsys, tmp_path, monkeypatch):
+    import app.cli
+    from app.store.layout import home
+
+    def uses_home(_args) -> int:  # what pull does first with the home folder
+        home().mkdir(parents=True, exist_ok=True)
+        return 0
+
+    home_file = tmp_path / "home"
+    home_file.write_text("not a folder")
+    monkeypatch.setenv("SPECDECK_HOME", str(home_file))
+    monkeypatch.setattr(app.cli, "_generate", uses_home)
+    code, _, err = generate(capsys, "--prompt", "w1")
+    assert code == 2
+    assert f"SPECDECK_HOME={home_file} is a file" in err and "set SPECDECK_HOME" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_output_piped_to_a_reader_that_leaves_ends_quietly(tiny_folder):
+    root = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", "generate", "--target", str(tiny_folder), "--prompt",
+         "w5 w9 w12 w5 w9", "--max-new-tokens", "20", "--json"], cwd=root,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # like `| head -c 0`: the reader leaves before the one --json write, so it always fails
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err

@@ -6,18 +6,23 @@ and uvicorn; request bodies are app/serve/requests.py's, /metrics app/serve/metr
 Must not know: array libraries or the step loop; it consumes engine.generate's Step and Done
 events.
 
-Threads: each generation runs on its own worker thread, never on the event loop. The worker
+Threads: each generation runs on its own worker thread, never on the event loop, and so does
+each request's parsing and tokenizing (a 20 MB prompt must not freeze /health). The worker
 holds engine.lock for the whole generation, so requests queue per model, and it closes the
 engine's generator in a finally: a client that disconnects leaves the cache rewound.
+Admission (app/serve/admission.py) bounds the body size and the queue; a client that leaves,
+streaming or not, and server shutdown (SIGTERM, SIGINT) cancel the generation.
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations, and
 the handlers are defined inside build_app so that `specdeck --help` never imports FastAPI.
 """
 
 import argparse
 import asyncio
+import errno
 import hmac
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -29,6 +34,7 @@ from typing import Any
 from app import drafters
 from app.cli import add_model_arguments
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
+from app.serve.admission import Gate, Ticket, read_body, require_json
 from app.serve.metrics import FINISH, Metrics
 from app.serve.requests import (
     ApiError,
@@ -38,10 +44,21 @@ from app.serve.requests import (
     OpenAIRequest,
     error_body,
     parse_request,
+    shown,
 )
 
 DEFAULT_K = 4  # k for a per-request drafter when the server itself runs without one
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# a request without max_tokens gets this many (or the context left, when that is fewer):
+# vLLM's default, the whole context, lets one forgotten field hold the engine for minutes
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_MAX_BODY_MB = 4.0  # a full 128k-token prompt, as text or token ids, is about 1 MB
+DEFAULT_MAX_WAITING = 16
+LOCK_POLL_S = 0.05  # a queued worker looks at its cancel flag this often while it waits
+# a text this many times the context in characters is checked on a prefix first: tokenizing
+# all of a 20 MB prompt took 19 s only to refuse it
+PREFIX_CHARS_PER_TOKEN = 16
+SHUTDOWN_GRACE_S = 5  # after SIGTERM, cancelled streams have this long to send their end
 
 
 # ---- the served engine ------------------------------------------------------------------
@@ -57,6 +74,8 @@ class Served:
     default_k: int = DEFAULT_K
     api_key: str | None = None
     metrics: "Metrics" = field(default_factory=lambda: Metrics())
+    gate: Gate = field(default_factory=lambda: Gate(DEFAULT_MAX_WAITING))
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
 
     draft: Any = None  # the loaded draft model, for requests that ask for a model drafter
     backend: Any = None
@@ -111,6 +130,7 @@ def chat_prompt(served: Served, request: ChatRequest) -> list[int]:
                        "messages")
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text(m, i)} for i, m in enumerate(request.messages)]
+    refuse_if_far_too_long(served, "\n".join(m["content"] for m in messages), "messages")
     try:
         return chat_ids(tokenizer, messages)
     except Exception as error:  # noqa: BLE001 - a template refusing the conversation
@@ -133,6 +153,7 @@ def completion_prompt(served: Served, request: CompletionRequest) -> list[int]:
             raise ApiError("one prompt per request: send the prompts one by one", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        refuse_if_far_too_long(served, prompt, "prompt")
         return list(served.engine.target.tokenizer.encode(prompt))
     vocab = served.engine.target.vocab_size
     if any(not 0 <= t < vocab for t in prompt):
@@ -140,9 +161,33 @@ def completion_prompt(served: Served, request: CompletionRequest) -> list[int]:
     return [int(t) for t in prompt]
 
 
+def refuse_if_far_too_long(served: Served, text: str, param: str) -> None:
+    """Refuse a text whose prefix alone holds twice the context, before tokenizing all of it.
+
+    The prefix's count can exceed the whole text's only by the tokens of the word it cuts;
+    twice the context leaves that margin many times over.
+    """
+    context = served.engine.target.context_length
+    prefix_chars = PREFIX_CHARS_PER_TOKEN * context
+    if len(text) <= prefix_chars:
+        return
+    n = len(served.engine.target.tokenizer.encode(text[:prefix_chars]))
+    if n > 2 * context:
+        raise ApiError(f"the prompt has more than {n} tokens but {served.model_id} takes at "
+                       f"most {context} (prompt and reply together): shorten the prompt",
+                       param, code="context_length_exceeded")
+
+
+def prepare(served: Served, chat: bool, raw: bytes) -> tuple[OpenAIRequest, Job]:
+    """Parse, tokenize and resolve one body: heavy work, run off the event loop."""
+    body = parse_request(ChatRequest if chat else CompletionRequest, raw)
+    prompt = chat_prompt(served, body) if chat else completion_prompt(served, body)
+    return body, make_job(served, body, prompt)
+
+
 def make_job(served: Served, request: OpenAIRequest, prompt_ids: list[int]) -> Job:
     if request.model not in (None, served.model_id):
-        raise ApiError(f"the model `{request.model}` does not exist: this server serves "
+        raise ApiError(f"the model {shown(request.model)} does not exist: this server serves "
                        f"`{served.model_id}`", "model", 404, "model_not_found")
     engine = served.engine
     try:
@@ -165,7 +210,8 @@ def sampling(request: OpenAIRequest, context_length: int) -> SamplingParams:
             top_k=max(request.top_k or 0, 0),
             top_p=1.0 if request.top_p is None else request.top_p,
             min_p=request.min_p or 0.0, seed=request.seed,
-            max_new_tokens=request.max_completion_tokens or request.max_tokens or context_length,
+            max_new_tokens=(request.max_completion_tokens or request.max_tokens
+                            or min(DEFAULT_MAX_TOKENS, context_length)),
             stop=tuple(stop))
     except SpecdeckError as error:
         raise ApiError(str(error)) from error
@@ -176,9 +222,11 @@ def sampling(request: OpenAIRequest, context_length: int) -> SamplingParams:
 class Run:
     """One generation on a worker thread; its events reach the event loop through a queue."""
 
-    def __init__(self, served: Served, job: Job) -> None:
+    def __init__(self, served: Served, job: Job, ticket: Ticket | None = None) -> None:
         self.served, self.job = served, job
         self.cancel = threading.Event()
+        self.ticket = ticket or served.gate.admit()
+        self.ticket.watch(self.cancel)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Step | Done | None] = asyncio.Queue()
         threading.Thread(target=self._work, name="specdeck-generate", daemon=True).start()
@@ -197,18 +245,31 @@ class Run:
         ran = False
         metrics.queued_one()
         try:
-            with engine.lock:
-                metrics.started_one()
-                ran = True
-                if not self.cancel.is_set():
+            if self._wait_for(engine.lock):
+                try:
+                    metrics.started_one()
+                    ran = True
                     done = self._generate(engine)
+                finally:
+                    engine.lock.release()
         except Exception as error:  # noqa: BLE001 - reported to the client as an error event
             done = Done(text="", token_ids=(), stop_reason="error", stats=RunStats(),
                         error=f"{type(error).__name__}: {error}")
             self._put(done)
         finally:
+            self.ticket.close()
             metrics.finished(done, ran)
             self._put(None)
+
+    def _wait_for(self, lock: threading.Lock) -> bool:
+        """Take the engine's lock; False when cancelled first (a client that left the queue)."""
+        while not lock.acquire(timeout=LOCK_POLL_S):
+            if self.cancel.is_set():
+                return False
+        if self.cancel.is_set():
+            lock.release()
+            return False
+        return True
 
     def _generate(self, engine: Any) -> Done | None:
         done = None
@@ -332,18 +393,39 @@ class Reply:
         return stop_reason(done, self.job.params, self.served.engine.target.tokenizer)
 
 
-async def collect(run: Run) -> Done:
+async def collect(run: Run, receive: Any) -> Done:
+    """The Done of a whole (non-streamed) reply; a client that disconnects cancels it."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(receive, run.cancel))
     done = None
-    async for event in run.events():
-        if isinstance(event, Done):
-            done = event
-    if done is None:
-        raise ApiError("the generation was cancelled", status=503, kind="server_error")
+    try:
+        async for event in run.events():
+            if isinstance(event, Done):
+                done = event
+    finally:
+        watcher.cancel()
+    if done is None or done.stop_reason == "cancelled":
+        raise ApiError("the generation was cancelled (the server is shutting down)",
+                       status=503, kind="server_error", code="cancelled")
     return done
+
+
+async def _cancel_on_disconnect(receive: Any, cancel: threading.Event) -> None:
+    # the body is read: the next ASGI message is the disconnect (or the response's end)
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
 
 
 async def sse(run: Run, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     """The stream: one chunk per step that has text, the finish chunk, usage, [DONE]."""
+    try:
+        async for text in _sse_events(run, reply, include_usage):
+            yield text
+    finally:
+        run.ticket.close()  # the stream is over: the next request may take its place
+
+
+async def _sse_events(run: Run, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     ids: list[int] = []
     flags: list[bool] = []
     first = True
@@ -373,7 +455,7 @@ def _data(body: dict[str, Any]) -> str:
 def build_app(served: Served) -> Any:
     """The FastAPI application for one served engine."""
     from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     def authorise(request: Request) -> None:
@@ -385,20 +467,25 @@ def build_app(served: Served) -> Any:
     app = FastAPI(title="specdeck", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(authorise)])
 
+    def refusal(body: dict[str, Any], status: int, headers: Any = None) -> Response:
+        # ASCII JSON: an error quoting a client's text must never fail to encode
+        return Response(json.dumps(body), status_code=status, headers=headers,
+                        media_type="application/json")
+
     @app.exception_handler(ApiError)
-    async def _refused(_request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+    async def _refused(_request: Request, error: ApiError) -> Response:
+        return refusal(error.body(), error.status, error.headers)
 
     @app.exception_handler(HTTPException)
-    async def _http(_request: Request, error: HTTPException) -> JSONResponse:
+    async def _http(_request: Request, error: HTTPException) -> Response:
         code = "not_found" if error.status_code == 404 else None
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error", code=code),
-                            status_code=error.status_code)
+        return refusal(error_body(str(error.detail), "invalid_request_error", code=code),
+                       error.status_code)
 
     @app.exception_handler(Exception)
-    async def _crashed(_request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}",
-                                       "server_error"), status_code=500)
+    async def _crashed(_request: Request, error: Exception) -> Response:
+        return refusal(error_body(f"internal error: {type(error).__name__}: {error}",
+                                  "server_error"), 500)
 
     @app.get("/health")
     async def _health() -> dict[str, str]:
@@ -414,14 +501,23 @@ def build_app(served: Served) -> Any:
                                  media_type="text/plain; version=0.0.4")
 
     async def _complete(request: Request, chat: bool) -> Any:
-        body = parse_request(ChatRequest if chat else CompletionRequest, await request.body())
-        prompt = chat_prompt(served, body) if chat else completion_prompt(served, body)
-        job = make_job(served, body, prompt)
-        reply, run = Reply(served, job, chat), Run(served, job)
+        require_json(request.headers.get("content-type"))
+        ticket = served.gate.admit()
+        try:
+            raw = await read_body(request.headers.get("content-length"), request.stream(),
+                                  served.max_body_bytes)
+            body, job = await asyncio.to_thread(prepare, served, chat, raw)
+        except BaseException:
+            ticket.close()
+            raise
+        reply, run = Reply(served, job, chat), Run(served, job, ticket)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(run, reply, usage), media_type="text/event-stream")
-        done = await collect(run)
+        try:
+            done = await collect(run, request.receive)
+        finally:
+            ticket.close()
         if done.error:
             return JSONResponse(error_body(f"generation failed: {done.error}", "server_error"),
                                 status_code=500)
@@ -466,6 +562,11 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECDECK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDECK_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients send (default: target name)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                   help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_MB:g})")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests that may wait while one generates; more get 429 with "
+                        f"Retry-After (default {DEFAULT_MAX_WAITING})")
     p.set_defaults(handler=_serve)
 
 
@@ -474,14 +575,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.loading import load_engine
 
-    if not 0 < args.port < 65536:
-        raise SpecdeckError(f"--port must be in 1..65535 (got {args.port})")
+    check_limits(args)
+    listener = listen_socket(args.host, args.port)  # before the model: a taken port fails fast
     loaded = load_engine(args)
     engine = loaded.engine
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=args.k if isinstance(args.k, int) and args.k > 0 else DEFAULT_K,
-                    api_key=args.api_key or None, draft=loaded.draft, backend=loaded.backend)
+                    api_key=args.api_key or None, gate=Gate(args.max_waiting),
+                    max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
+                    backend=loaded.backend)
     if args.host not in LOOPBACK and not served.api_key:
         print(f"specdeck: warning: serving on {args.host} without --api-key: anyone who can "
               "reach this machine can use the model", file=sys.stderr)
@@ -489,5 +592,59 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"specdeck: {note}", file=sys.stderr)
     print(f"specdeck: serving {served.model_id} (drafter {served.drafter_name}, k {engine.k}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(served), host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(build_app(served), log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    cancelling_server()(config, served.gate).run(sockets=[listener])
     return 0
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise SpecdeckError(f"--port must be in 1..65535 (got {args.port})")
+    if not args.max_body_mb > 0:  # also refuses NaN
+        raise SpecdeckError(f"--max-body-mb must be > 0 (got {args.max_body_mb})")
+    if args.max_waiting < 0:
+        raise SpecdeckError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now; SpecdeckError naming --port when it is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise SpecdeckError(f"cannot serve on {host}: {error}: give another --host") from error
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise SpecdeckError(f"port {port} on {host} is in use (another server?): choose "
+                                "another with --port N") from error
+        raise SpecdeckError(f"cannot bind {host}:{port}: {error.strerror}: choose another "
+                            "--host or --port") from error
+    sock.set_inheritable(True)
+    return sock
+
+
+def cancelling_server() -> type:
+    """uvicorn's Server, cancelling on shutdown (built here: --help never imports uvicorn)."""
+    import uvicorn
+
+    class CancellingServer(uvicorn.Server):
+        """uvicorn that cancels live generations on SIGTERM/SIGINT instead of awaiting them."""
+
+        def __init__(self, config: Any, gate: Gate) -> None:
+            super().__init__(config)
+            self.gate = gate
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # runs as a signal handler on the loop's thread: setting the generations' Events
+            # there could wait on a lock that thread holds, so another thread does it
+            threading.Thread(target=self.gate.stop, name="specdeck-stop").start()
+            super().handle_exit(sig, frame)
+
+    return CancellingServer
+

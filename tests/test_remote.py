@@ -25,8 +25,12 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory):
-    folder = save_tiny_model(tmp_path_factory.mktemp("tiny"))
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def base_url(folder: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "serve.log"
     args = ["--target", str(folder), "--drafter", "draft", "--draft", str(folder), "--k", "3"]
     with specdeck_serve(args, log) as url:
@@ -302,3 +306,35 @@ def test_a_missing_key_names_the_fix(tmp_path: Path, capsys) -> None:
         code, out, err = cli(capsys, "generate", "--remote", url, "--prompt", PROMPT,
                              "--api-key", "sesame", "--max-new-tokens", "3", "--json")
         assert code == 0 and json.loads(out)["n_new_tokens"] == 3
+
+
+# ---- specdeck bench --remote ---------------------------------------------------------------
+
+def test_bench_remote_is_one_more_interleaved_configuration(base_url: str, folder: Path,
+                                                            tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "echo", "prompt": PROMPT})
+                               + "\n" for i in range(2)))
+    out = tmp_path / "report.json"
+    code, stdout, err = cli(capsys, "bench", "--target", str(folder), "--remote", base_url,
+                            "--prompts", str(prompts), "--max-new-tokens", "8", "--k", "3",
+                            "--no-chat", "--json", str(out))
+    assert code == 0, err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert set(summary["results"]) == {"plain", "ngram k=3", "remote specdeck:draft"}
+    report = json.loads(out.read_text())
+    remote_config = next(c for c in report["configs"] if c["drafter"] == "remote")
+    assert remote_config["remote"]["engine"] == "specdeck"
+    assert "peak_memory_bytes" in remote_config["unreported"]
+    overall = remote_config["overall"]
+    assert overall["identical"] is True  # the same model, greedy: plain's very tokens
+    assert overall["tau"] > 1.0 and overall["speedup_median"] is not None
+    order = [r["config"] for r in report["runs"]]
+    assert order[:3] == order[3:][::-1]  # interleaved A B C, then C B A
+    assert "remote specdeck:draft" in stdout
+
+
+def test_bench_remote_unreachable_fails_before_loading(folder: Path, capsys) -> None:
+    code, _, err = cli(capsys, "bench", "--target", str(folder), "--remote",
+                       "http://127.0.0.1:9/v1")
+    assert code == 2 and "cannot reach" in err and "loading target" not in err

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app import drafters
+from app import drafters, remoting
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
@@ -146,6 +146,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--json", action="store_true", help="print one JSON object (a contract)")
+    remoting.add_remote_arguments(p)
     p.set_defaults(handler=_generate)
 
 
@@ -181,6 +182,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     text = read_prompt(args)
+    if args.remote:
+        return remoting.generate(args, text, params)
     loaded = load_engine(args)
     prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
                                system=args.system)

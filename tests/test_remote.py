@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app import remoting
+from app.cli import main
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.serve.remote import RemoteEngine, connect
 from tests.serving import save_tiny_model, specdeck_serve
@@ -23,8 +25,12 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory):
-    folder = save_tiny_model(tmp_path_factory.mktemp("tiny"))
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def base_url(folder: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("logs") / "serve.log"
     args = ["--target", str(folder), "--drafter", "draft", "--draft", str(folder), "--k", "3"]
     with specdeck_serve(args, log) as url:
@@ -203,3 +209,132 @@ def test_vllm_counters_before_and_after_fill_the_run_stats() -> None:
     assert (s.drafted, s.accepted, s.target_forwards) == (120, 80, 30)
     assert s.accepted_per_position == (26, 22, 19, 13)
     assert s.mean_accepted_length == pytest.approx(1 + 80 / 30)  # vLLM's own formula
+
+
+# ---- the user surfaces: specdeck generate --remote -------------------------------------------
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_remote_json_matches_the_server_and_its_statistics(
+        base_url: str, capsys) -> None:
+    code, out, err = cli(capsys, "generate", "--remote", base_url, "--prompt", PROMPT,
+                         "--max-new-tokens", "20", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    whole = httpx.post(base_url + "/completions", json={
+        "prompt": PROMPT, "max_tokens": 20, "temperature": 0}).json()
+    assert result["text"] == whole["choices"][0]["text"]
+    assert result["token_ids"] == whole["choices"][0]["token_ids"]
+    assert result["backend"] == "remote" and result["target"].startswith("tiny")
+    assert result["remote"] == {"url": base_url, "engine": "specdeck"}
+    assert result["drafter"] == "draft" and result["k"] == 3
+    assert result["drafted"] >= result["accepted"] > 0
+    assert result["mean_accepted_length"] > 1.0 and len(result["accepted_per_position"]) == 3
+    # specdeck serve does not send per-drafter stats, peak memory or k=auto's off steps
+    assert {"drafters", "peak_memory_bytes", "speculation_off_steps"} <= set(result["unreported"])
+    assert result["drafters"] is None and result["peak_memory_bytes"] is None
+    assert "did not report" in result["note"]
+
+
+def test_generate_remote_chat_uses_the_servers_chat_endpoint(base_url: str, capsys) -> None:
+    code, out, err = cli(capsys, "generate", "--remote", base_url, "--prompt", PROMPT,
+                         "--chat", "--max-new-tokens", "12")
+    assert code == 0, err
+    whole = httpx.post(base_url + "/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
+        "temperature": 0}).json()
+    assert out == whole["choices"][0]["message"]["content"]
+    assert "τ" in err and "specdeck at " + base_url in err
+
+
+def test_generate_remote_with_drafter_none_reports_plain_decoding(base_url: str,
+                                                                  capsys) -> None:
+    code, out, _ = cli(capsys, "generate", "--remote", base_url, "--prompt", PROMPT,
+                       "--drafter", "none", "--max-new-tokens", "12", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["drafter"] == "none" and result["drafted"] == 0
+
+
+def test_a_remote_engine_without_statistics_gets_nulls_not_zeros(capsys) -> None:
+    # a plain OpenAI-compatible server: text and usage, no speculative statistics at all
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": "someone"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        chunk = {"choices": [{"index": 0, "text": "hello there", "finish_reason": "stop"}]}
+        return httpx.Response(200, content=_sse(chunk))
+
+    engine = RemoteEngine("http://plain:1", transport=httpx.MockTransport(handler))
+    _, done = run(engine.generate("hi", SamplingParams()))
+    result = remoting.result_json(done, engine)
+    assert result["text"] == "hello there" and result["token_ids"] is None
+    assert result["drafted"] is None and result["mean_accepted_length"] is None
+    assert result["k"] is None and "openai" in result["note"]
+    assert "acceptance ?" in remoting.summary(done, engine)
+
+
+REMOTE_ERRORS = [
+    (["--remote", "http://127.0.0.1:9/v1"], "cannot reach"),
+    (["--remote", "127.0.0.1:8000"], "--remote takes a server URL like"),
+    (["--remote", "{url}", "--model", "gpt-4o"], "does not serve 'gpt-4o'; it serves: tiny"),
+    (["--remote", "{url}", "--target", "x"], "--target load"),
+    (["--remote", "{url}", "--k", "99"], "refused the request (400)"),
+]
+
+
+@pytest.mark.parametrize("args,message", REMOTE_ERRORS, ids=[m for _, m in REMOTE_ERRORS])
+def test_remote_user_errors_are_one_line_and_exit_2(base_url: str, capsys, args,
+                                                    message) -> None:
+    args = [a.format(url=base_url) for a in args]
+    code, _, err = cli(capsys, "generate", "--prompt", PROMPT, *args)
+    assert code == 2 and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_key_names_the_fix(tmp_path: Path, capsys) -> None:
+    folder = save_tiny_model(tmp_path / "tiny")
+    args = ["--target", str(folder), "--drafter", "none", "--api-key", "sesame"]
+    with specdeck_serve(args, tmp_path / "serve.log") as url:
+        code, _, err = cli(capsys, "generate", "--remote", url, "--prompt", PROMPT,
+                           "--api-key", "wrong")
+        assert code == 2 and "(401)" in err and "--api-key KEY" in err
+        code, out, err = cli(capsys, "generate", "--remote", url, "--prompt", PROMPT,
+                             "--api-key", "sesame", "--max-new-tokens", "3", "--json")
+        assert code == 0 and json.loads(out)["n_new_tokens"] == 3
+
+
+# ---- specdeck bench --remote ---------------------------------------------------------------
+
+def test_bench_remote_is_one_more_interleaved_configuration(base_url: str, folder: Path,
+                                                            tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "echo", "prompt": PROMPT})
+                               + "\n" for i in range(2)))
+    out = tmp_path / "report.json"
+    code, stdout, err = cli(capsys, "bench", "--target", str(folder), "--remote", base_url,
+                            "--prompts", str(prompts), "--max-new-tokens", "8", "--k", "3",
+                            "--no-chat", "--json", str(out))
+    assert code == 0, err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert set(summary["results"]) == {"plain", "ngram k=3", "remote specdeck:draft"}
+    report = json.loads(out.read_text())
+    remote_config = next(c for c in report["configs"] if c["drafter"] == "remote")
+    assert remote_config["remote"]["engine"] == "specdeck"
+    assert "peak_memory_bytes" in remote_config["unreported"]
+    overall = remote_config["overall"]
+    assert overall["identical"] is True  # the same model, greedy: plain's very tokens
+    assert overall["tau"] > 1.0 and overall["speedup_median"] is not None
+    order = [r["config"] for r in report["runs"]]
+    assert order[:3] == order[3:][::-1]  # interleaved A B C, then C B A
+    assert "remote specdeck:draft" in stdout
+
+
+def test_bench_remote_unreachable_fails_before_loading(folder: Path, capsys) -> None:
+    code, _, err = cli(capsys, "bench", "--target", str(folder), "--remote",
+                       "http://127.0.0.1:9/v1")
+    assert code == 2 and "cannot reach" in err and "loading target" not in err

@@ -40,6 +40,7 @@ from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
 from app.core.engine import SpecEngine, check_k, last_done
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
 from app.loading import encode_prompt
+from app.remoting import add_remote_arguments
 
 DRAFTER_KINDS = drafters.CHOICES
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
@@ -167,8 +168,10 @@ def _k_problem(k: int | str) -> str:
 
 def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettings,
               backend: Any = None, draft: Any = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every configuration on every prompt, interleaved; return the report (the JSON)."""
+              log: Callable[[str], None] | None = None,
+              extra: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run every configuration on every prompt, interleaved; return the report (the JSON).
+    extra: more runners (a remote engine's), interleaved with the local ones."""
     log = log or (lambda _msg: None)
     if settings.repeats < 1:
         raise SpecdeckError(f"--repeats must be >= 1 (got {settings.repeats})")
@@ -178,6 +181,7 @@ def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettin
     chat = _chat_default(target, settings.chat)
     encoded, skipped = _encode(target, prompts, chat, settings.max_new_tokens)
     runners, unavailable = build_runners(target, settings, backend, draft)
+    runners += extra
     for name, reason in unavailable.items():
         log(f"unavailable: {name}: {reason}")
     params = SamplingParams(temperature=settings.temperature,
@@ -356,6 +360,7 @@ def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[s
             "name": config.name, "drafter": config.drafter, "k": config.k, "available": True,
             "reason": None, "k_effective": getattr(getattr(runner, "engine", None), "k", None),
         }
+        entry.update(runner.describe() if hasattr(runner, "describe") else {})
         hf = baselines["hf-plain"] if config.drafter.startswith("hf-") else None
         entry["overall"] = summarise(rows[ALL], baselines["plain"], greedy, hf)
         entry["categories"] = {c: summarise(rows[c], baselines["plain"], greedy, hf)
@@ -422,6 +427,7 @@ def add_subcommand(subparsers: Any) -> None:
                    help="also run HF transformers' generate: plain, assisted, prompt lookup")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a speedup chart (needs matplotlib)")
+    add_remote_arguments(p)
     p.set_defaults(handler=_bench)
 
 
@@ -447,8 +453,6 @@ def parse_list(text: str, allowed: Iterable[str] = (), ints: bool = False) -> tu
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from backends import load_backend
-
     target_path, draft_path = _model_paths(args)
     drafters = (parse_list(args.drafters, DRAFTER_KINDS) if args.drafters else
                 ("ngram", "draft") if draft_path else ("ngram",))
@@ -464,17 +468,13 @@ def _bench(args: argparse.Namespace) -> int:
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     prompts = load_prompts(args.prompts, args.limit)
-    backend = load_backend(args.backend)
-    if args.compare_hf and backend.name != "torch":
-        raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
-    log = _stderr
-    log(f"loading target {target_path}")
-    target = backend.load(target_path, device=args.device, dtype=args.dtype)
-    draft = None
-    if draft_path and ({"draft", "auto"} & set(drafters) or args.compare_hf):
-        log(f"loading draft {draft_path}")
-        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
-    report = run_bench(target, prompts, settings, backend=backend, draft=draft, log=log)
+    remote = _remote_runners(args, _stderr)  # before minutes of loading: a bad URL fails now
+    try:
+        report = _load_and_run(args, settings, prompts, target_path, draft_path,
+                               [runner for runner, _ in remote])
+    finally:
+        for _, engine in remote:
+            engine.close()
     report["settings"].update(prompts=args.prompts, limit=args.limit, pair=args.pair,
                               target_path=target_path, draft_path=draft_path)
     print(format_table(report))
@@ -486,13 +486,49 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
+                  prompts: Sequence[BenchPrompt], target_path: str, draft_path: str | None,
+                  extra: Sequence[Any]) -> dict[str, Any]:
+    from backends import load_backend
+
+    backend = load_backend(args.backend)
+    if args.compare_hf and backend.name != "torch":
+        raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
+    log = _stderr
+    log(f"loading target {target_path}")
+    target = backend.load(target_path, device=args.device, dtype=args.dtype)
+    draft = None
+    if draft_path and ({"draft", "auto"} & set(settings.drafters) or args.compare_hf):
+        log(f"loading draft {draft_path}")
+        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
+    return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,
+                     extra=extra)
+
+
+def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]
+                    ) -> list[tuple[Any, Any]]:
+    """(runner, engine) for --remote: the server's engine as one more configuration."""
+    if not args.remote:
+        return []
+    from app.bench.remote import RemoteRunner
+    from app.remoting import check_url
+    from app.serve.remote import connect
+
+    engine = connect(check_url(args.remote), model=args.model, api_key=args.api_key or None)
+    log(f"remote: {engine.kind} at {engine.base_url} serving {engine.target.name}")
+    return [(RemoteRunner(engine), engine)]
+
+
 def _model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.pair:
         if args.target:
             raise SpecdeckError("give either --pair or --target, not both")
         return _pair_paths(args.pair, args.backend, args.draft)
     if not args.target:
-        raise SpecdeckError("give a model: --pair ID, or --target PATH (HF folder or .gguf)")
+        also = (" (with --remote: the local copy of the server's model, plain's baseline)"
+                if args.remote else "")
+        raise SpecdeckError("give a model: --pair ID, or --target PATH (HF folder or .gguf)"
+                            + also)
     return args.target, args.draft
 
 

@@ -27,6 +27,22 @@ from app.serve import prometheus
 ENGINES = ("auto", "specdeck", "vllm", "sglang", "llama.cpp", "openai")
 OWNERS = {"specdeck": "specdeck", "vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}
 Event = Step | Done
+# the client times every stream itself; the rest of RunStats.to_dict() comes from the engine
+MEASURED = frozenset({"n_new_tokens", "ttft_s", "decode_s", "decode_tok_s", "n_prompt_tokens",
+                      "n_cached_prompt_tokens"})
+_COUNTS = frozenset({"target_forwards", "drafted", "accepted", "acceptance_rate",
+                     "mean_accepted_length"})
+_POSITIONS = frozenset({"accepted_per_position", "drafted_per_position",
+                        "acceptance_per_position"})
+# which RunStats.to_dict() names each source of statistics fills (see the stats_from_* below)
+REPORTS = {
+    "specdeck": MEASURED | _COUNTS | _POSITIONS | {
+        "accepted_length_histogram", "prefill_s", "draft_s", "verify_s", "other_s"},
+    "llama.cpp": MEASURED | _COUNTS | {"prefill_s"},
+    "vllm": MEASURED | _COUNTS | _POSITIONS,
+    "sglang": MEASURED | _COUNTS,
+    "none": MEASURED,
+}
 
 
 @dataclass(frozen=True)
@@ -215,6 +231,8 @@ class RemoteEngine:
         self._drafter = drafter  # specdeck serve only: a per-request drafter
         # like SpecEngine.k: settable between generations ("auto" where the server adapts k)
         self.k: int | str = k if k is not None else self._server_k
+        # the RunStats names the last run's engine reported; callers show the rest as unknown
+        self.reported: frozenset[str] = REPORTS["none"]
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -285,15 +303,22 @@ class RemoteEngine:
             "n_new_tokens": n_new, "ttft_s": progress.first_at - progress.start if
             progress.first_at else 0.0, "decode_s": progress.last_at - progress.first_at,
             "target_forwards": max(n_new - 1, 0)}
+        source, spec = self._spec_fields(progress, before, after, n_new)
+        self.reported = REPORTS[source] if spec else REPORTS["none"]
+        return RunStats(**fields | spec)
+
+    def _spec_fields(self, progress: _Progress, before: SpecCounters | None,
+                     after: SpecCounters | None, n_new: int) -> tuple[str, dict[str, Any]]:
+        """(source, RunStats fields) from whichever statistics this engine reported."""
         if "speculative" in progress.final:
-            fields.update(stats_from_specdeck(progress.final["speculative"]))
-        elif "timings" in progress.final:
-            fields.update(stats_from_llama(progress.final["timings"]))
-        elif before is not None and after is not None and self.kind == "vllm":
-            fields.update(stats_from_vllm(before, after, n_new))
-        elif before is not None and after is not None and self.kind == "sglang":
-            fields.update(stats_from_sglang(before, after, n_new))
-        return RunStats(**fields)
+            return "specdeck", stats_from_specdeck(progress.final["speculative"])
+        if "timings" in progress.final:
+            return "llama.cpp", stats_from_llama(progress.final["timings"])
+        if before is not None and after is not None and self.kind == "vllm":
+            return "vllm", stats_from_vllm(before, after, n_new)
+        if before is not None and after is not None and self.kind == "sglang":
+            return "sglang", stats_from_sglang(before, after, n_new)
+        return "none", {}
 
     def _counters(self) -> SpecCounters | None:
         if self.kind not in ("vllm", "sglang"):
@@ -348,6 +373,11 @@ def connect(base_url: str, **options: Any) -> RemoteEngine:
     return RemoteEngine(base_url, **options)
 
 
+FIXES = {401: " (give the server's key with --api-key KEY or $SPECDECK_API_KEY)",
+         403: " (give the server's key with --api-key KEY or $SPECDECK_API_KEY)",
+         404: " (is the URL the server's API root, http://HOST:PORT/v1?)"}
+
+
 class _StreamError(Exception):
     """The server reported an error inside the stream."""
 
@@ -377,8 +407,9 @@ def _raise_for_status(response: httpx.Response) -> None:
         message = _message(response.json())
     except (json.JSONDecodeError, ValueError):
         message = response.text[:200]
+    fix = FIXES.get(response.status_code, "")
     raise SpecdeckError(f"{response.url} refused the request ({response.status_code}): "
-                        f"{message}")
+                        f"{message}{fix}")
 
 
 def _message(body: Any) -> str:

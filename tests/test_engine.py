@@ -237,3 +237,21 @@ def test_rewind_round_trip_gives_the_same_logits(target):
     again = session.forward([3, 4, 5], n_logits=3).host_logits()
     np.testing.assert_allclose(first, again, rtol=0, atol=1e-6)
     assert session.length == len(PROMPT) + 3
+
+
+def test_one_engine_serves_every_drafter_per_call_and_reuses_the_shared_prefix(target):
+    from app.drafters import build_drafter
+    from backends.torch.backend import TorchBackend
+
+    backend = TorchBackend()
+    engine = SpecEngine(target)
+    prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9]
+    params = SamplingParams(max_new_tokens=24)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    kinds = ["chain", "none", "ngram", "draft", "ngram-tree", "chain"]
+    for i, kind in enumerate(kinds):
+        drafter = build_drafter(kind, target, backend=backend, draft=target)
+        done = list(engine.generate(prompt, params, drafter=drafter, k=4))[-1]
+        assert done.token_ids == plain.token_ids, kind
+        # after the first call only the pending last prompt token is read again
+        assert done.stats.n_cached_prompt_tokens == (0 if i == 0 else len(prompt) - 1), kind

@@ -43,6 +43,8 @@ from app.loading import encode_prompt
 from app.remoting import add_remote_arguments
 
 DRAFTER_KINDS = drafters.CHOICES
+DEFAULT_KINDS = drafters.BENCH_DEFAULT
+NEEDS_DRAFT_MODEL = drafters.NEEDS_DRAFT_MODEL
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
 
 
@@ -454,13 +456,15 @@ def parse_list(text: str, allowed: Iterable[str] = (), ints: bool = False) -> tu
 
 def _bench(args: argparse.Namespace) -> int:
     target_path, draft_path = _model_paths(args)
-    drafters = (parse_list(args.drafters, DRAFTER_KINDS) if args.drafters else
-                ("ngram", "draft") if draft_path else ("ngram",))
-    if "draft" in drafters and not draft_path:
-        raise SpecdeckError("--drafters draft needs a draft model: give --draft PATH or --pair")
+    kinds = (parse_list(args.drafters, DRAFTER_KINDS) if args.drafters else
+             tuple(k for k in DEFAULT_KINDS if draft_path or k not in NEEDS_DRAFT_MODEL))
+    missing = [k for k in kinds if k in NEEDS_DRAFT_MODEL and not draft_path]
+    if missing:
+        raise SpecdeckError(f"--drafters {missing[0]} needs a draft model: give --draft PATH "
+                            "or --pair")
     if args.compare_hf and args.backend not in ("auto", "torch"):
         raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
-    settings = BenchSettings(drafters=drafters, ks=parse_list(args.k, ints=True),
+    settings = BenchSettings(drafters=kinds, ks=parse_list(args.k, ints=True),
                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              temperature=args.temperature, seed=args.seed, warmup=args.warmup,
                              chat=args.chat, compare_hf=args.compare_hf,
@@ -498,7 +502,7 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
     log(f"loading target {target_path}")
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
     draft = None
-    if draft_path and ({"draft", "auto"} & set(settings.drafters) or args.compare_hf):
+    if draft_path and ((NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters) or args.compare_hf):
         log(f"loading draft {draft_path}")
         draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
     return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.core.adaptive import KController
-from app.core.protocols import Drafter, Model, TargetOutput
+from app.core.protocols import Drafter, Model, NoDrafter, TargetOutput
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
 from app.core.types import (
@@ -34,7 +34,6 @@ from app.core.types import (
     common_prefix_length,
 )
 from app.core.verify import verify_greedy, verify_sampled
-from app.drafters.ngram import NoDrafter
 
 Event = Step | Done
 # draft tokens per step at most: acceptance of a 33rd token is negligible for any drafter we

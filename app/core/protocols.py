@@ -140,6 +140,23 @@ class Drafter(Protocol):
     def accept(self, verdict: Verdict, verified: TargetOutput) -> None: ...
 
 
+class NoDrafter:
+    """Plain decoding: the same engine loop with a drafter that proposes nothing."""
+
+    name = "none"
+    capture_layers: tuple[int, ...] = ()
+
+    def begin(self, prompt_ids: Sequence[int], first_output: object,
+              params: SamplingParams, rng: np.random.Generator) -> None:
+        return None
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft()
+
+    def accept(self, verdict: Verdict, verified: object) -> None:
+        return None
+
+
 def collect_eos_ids(*sources: Any) -> frozenset[int]:
     """Every end-of-sequence id the sources declare (an id, a list of ids or None each)."""
     ids: set[int] = set()

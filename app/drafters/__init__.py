@@ -22,6 +22,7 @@ IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
+BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
 # the planner names what a pair ships ("draft": a draft model); the fastest way to run it:
 # lookup first, the model where lookup has nothing (HumanEval, Qwen pair in w8a8, k=4, median
 # of 10 prompts: the model alone 1.43x plain, lookup first on 3+ matching tokens 1.63x)

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from app.core.protocols import NoDrafter  # noqa: F401 - plain decoding, re-exported
 from app.core.types import Draft, SamplingParams, Verdict
 
 
@@ -106,23 +107,6 @@ class NgramDrafter:
         if self.full_only and len(tokens) < k:
             return Draft()
         return Draft(tokens=tokens, source=self.name)
-
-    def accept(self, verdict: Verdict, verified: object) -> None:
-        return None
-
-
-class NoDrafter:
-    """Plain decoding: the same engine loop with a drafter that proposes nothing."""
-
-    name = "none"
-    capture_layers: tuple[int, ...] = ()
-
-    def begin(self, prompt_ids: Sequence[int], first_output: object,
-              params: SamplingParams, rng: np.random.Generator) -> None:
-        return None
-
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        return Draft()
 
     def accept(self, verdict: Verdict, verified: object) -> None:
         return None

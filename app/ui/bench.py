@@ -22,7 +22,7 @@ import pandas as pd
 from app.ui.chat import k_control, notice
 from app.ui.inputs import BENCH_LIMIT, BENCH_MAX_NEW, parse_k, whole
 from app.ui.render import refusal
-from app.ui.workbench import Busy, Workbench
+from app.ui.workbench import DRAFTER_CHOICES, Busy, Workbench
 
 CLI_HINT = ("From a terminal: `specdeck bench --target MODEL [--draft DRAFT] --drafters "
             "ngram,draft --prompts spec-bench --limit 2 --json report.json --plot speedup.png`")
@@ -181,7 +181,8 @@ def build_bench_tab(bench: Workbench) -> None:
                           label=BENCH_LIMIT.label, elem_id="bench-limit")
         max_new = gr.Slider(16, BENCH_MAX_NEW.high, value=64, step=16, label=BENCH_MAX_NEW.label,
                             elem_id="bench-max-new")
-        drafters = gr.CheckboxGroup(["ngram", "draft", "auto"], value=["ngram"],
+        drafters = gr.CheckboxGroup([c for c in DRAFTER_CHOICES if c != "none"],
+                                    value=["ngram"],
                                     label="Drafters (plain always runs)")
         k = k_control(bench.default_k, "bench-k")
     run = gr.Button("Run benchmark", variant="primary", elem_id="bench-run")

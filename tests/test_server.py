@@ -306,3 +306,4 @@ def test_real_chat_model_replies_like_the_local_engine(smollm2_gguf: Path,
     assert done.text.strip()
     assert whole.usage.prompt_tokens == done.stats.n_prompt_tokens
     assert whole.speculative["num_draft_tokens"] == done.stats.drafted
+

@@ -158,7 +158,7 @@ class DrafterStats:
         tau = self.accepted / target_forwards if target_forwards else 0.0
         return {"name": self.name, "steps": self.steps, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
-                "tau_contribution": tau, "draft_s": self.draft_s}
+                "tau_contribution": tau}
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,8 @@ def speculative_object(stats: RunStats, drafter: str, k: int) -> dict[str, Any]:
         "accepted_per_position": list(stats.accepted_per_position),
         "drafted_per_position": list(stats.drafted_per_position),
         "acceptance_per_position": list(stats.acceptance_per_position),
+        # each drafter's share (a chain's members apart): name, drafted, accepted, acceptance
+        "drafters": [d.to_dict(stats.target_forwards) for d in stats.drafters],
         "decode_tok_s": stats.decode_tok_s,
         "ttft_s": stats.ttft_s,
         "prefill_s": stats.prefill_s,

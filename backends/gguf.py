@@ -15,7 +15,6 @@ only when complete, with its record inside, so a half-written conversion never l
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -27,12 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.core.types import SpecdeckError
+from app.store.integrity import sha256_of
 from backends import install_hint
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 SOURCE_RECORD = ".specdeck-source.json"  # inside the folder: the GGUF it was built from
 LOCK_SUFFIX = ".specdeck-lock"  # next to the .gguf; never deleted (others may wait on it)
-_CHUNK = 2**20
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 Converter = Callable[[Path, Path], None]  # (gguf, empty folder to fill)
@@ -89,14 +88,6 @@ def record_source(gguf: Path, dest: Path) -> SourceRecord:
     record = SourceRecord(st.st_size, st.st_mtime_ns, sha256_of(gguf))
     _write_record(dest, record)
     return record
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _refresh(gguf: Path, dest: Path, convert: Converter) -> None:

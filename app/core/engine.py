@@ -39,6 +39,7 @@ Event = Step | Done
 # draft tokens per step at most: acceptance of a 33rd token is negligible for any drafter we
 # know, and backends size their exact verify paths for k + 1 rows (backends/torch/exactness.py)
 MAX_K = 32
+DEFAULT_K = 4  # draft tokens per step when a call names a drafter but no k
 
 
 @dataclass
@@ -208,7 +209,8 @@ class SpecEngine:
         self.check_prompt(prompt_ids)
         if drafter is None:
             drafter, k = self.drafter, (self.k if k is None else k)
-        check_k(4 if k is None else k)
+        k = DEFAULT_K if k is None else k
+        check_k(k)
         if not self._running.acquire(blocking=False):
             raise SpecdeckError("this model is already generating: wait for it or stop it")
         try:
@@ -217,9 +219,8 @@ class SpecEngine:
             self._running.release()
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                  cancel: threading.Event | None, drafter: Drafter, k: int | str | None
+                  cancel: threading.Event | None, drafter: Drafter, k: int | str
                   ) -> Iterator[Event]:
-        k = 4 if k is None else k
         call = _Call(drafter=drafter, k=k, controller=self.controller(drafter, k))
         prompt = [int(t) for t in prompt_ids]
         limit = min(params.max_new_tokens, self.target.context_length - len(prompt))
@@ -286,12 +287,13 @@ class SpecEngine:
         tally.off_steps += chosen == 0 and call.controller is not None
         t0 = time.perf_counter()
         draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
-        if draft.is_tree and not self.target.capabilities.tree_attention:
-            draft = draft.first_chain()  # this backend verifies chains only
+        tree = draft.is_tree
+        if tree and not self.target.capabilities.tree_attention:
+            draft, tree = draft.first_chain(), False  # this backend verifies chains only
         t1 = time.perf_counter()
         n_cached = len(context) - 1
         out = self.session.forward([context[-1], *draft.tokens], n_logits=len(draft.tokens) + 1,
-                                   parents=draft.row_parents() if draft.is_tree else None,
+                                   parents=draft.row_parents() if tree else None,
                                    capture=call.drafter.capture_layers)
         verdict = (verify_greedy(draft, out.argmax) if params.greedy else
                    verify_sampled(draft, warp(out.host_logits(), params), rng))

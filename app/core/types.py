@@ -99,7 +99,10 @@ class Draft:
 
     def within(self, max_depth: int) -> Draft:
         """The nodes at depth <= max_depth (a chain: its first max_depth tokens)."""
-        keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
+        if self.parents is None:  # a chain's depths are its positions: no walk needed
+            keep = list(range(min(len(self.tokens), max_depth)))
+        else:
+            keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
         if len(keep) == len(self.tokens):
             return self
         return self._subset(keep)

@@ -50,7 +50,7 @@ def connect_remote(args: argparse.Namespace) -> RemoteEngine:
     drafter = getattr(args, "drafter", DEFAULT_DRAFTER)
     k = getattr(args, "k", DEFAULT_K)
     return connect(url, model=args.model, api_key=args.api_key or None,
-                   drafter=drafter if drafter != DEFAULT_DRAFTER else None,
+                   drafter=drafter if drafter not in (DEFAULT_DRAFTER, "auto") else None,
                    k=k if k != DEFAULT_K else None)
 
 

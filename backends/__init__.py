@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+from pathlib import Path
 from typing import Any
 
 from app.core.types import SpecdeckError
@@ -17,6 +18,16 @@ BACKENDS = ("torch", "mlx")
 EXTRAS = {"torch": ("torch>=2.4", "transformers>=4.56", "accelerate>=1.0", "gguf>=0.10",
                     "safetensors>=0.4", "sentencepiece>=0.2"),
           "mlx": ("mlx>=0.26", "mlx-lm>=0.26")}
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this CPU (Linux reports them in /proc/cpuinfo): torch's
+    `--dtype auto` runs bfloat16 there, and the planner sizes memory for it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def detect_backend() -> str:

@@ -73,7 +73,8 @@ def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_comp
 
 
 def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_context(
-        catalogue):
+        catalogue, monkeypatch):
+    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
                            16 * GB, 4096)
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
@@ -83,6 +84,25 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
     # ((57_344 + 24_576) * 4096) = 18
     assert (fit.streams_plain, fit.streams_spec) == (35, 18)
     assert fit.summary() == "32768/32768, 35/18"
+
+
+def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue):
+    torch_backend = pytest.importorskip("backends.torch.backend")
+    runs = str(torch_backend.resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+                           4096)
+    assert fit.dtype == runs
+    assert fit.target_kv_per_token == 57_344 // (2 if runs == "bfloat16" else 1)
+
+
+def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeypatch):
+    pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
+    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)
+    fp32 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: True)
+    bf16 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
+    assert bf16.target_weights_bytes * 2 == fp32.target_weights_bytes
 
 
 def test_an_ngram_drafter_costs_no_context():
@@ -177,7 +197,9 @@ def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue)
                                                       "need 2.61 GB more")
 
 
-def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path, catalogue):
+def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path, catalogue,
+                                                                       monkeypatch):
+    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # float32 weights
     folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
     info = planner.describe(str(folder), catalogue)
     assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"

@@ -234,9 +234,11 @@ def test_generate_remote_json_matches_the_server_and_its_statistics(
     assert result["drafter"] == "draft" and result["k"] == 3
     assert result["drafted"] >= result["accepted"] > 0
     assert result["mean_accepted_length"] > 1.0 and len(result["accepted_per_position"]) == 3
-    # specdeck serve does not send per-drafter stats, peak memory or k=auto's off steps
-    assert {"drafters", "peak_memory_bytes", "speculation_off_steps"} <= set(result["unreported"])
-    assert result["drafters"] is None and result["peak_memory_bytes"] is None
+    # specdeck serve sends each drafter's share, not peak memory or k=auto's off steps
+    assert {"peak_memory_bytes", "speculation_off_steps"} <= set(result["unreported"])
+    assert [d["name"] for d in result["drafters"]] == ["draft"]
+    assert sum(d["accepted"] for d in result["drafters"]) == result["accepted"]
+    assert result["peak_memory_bytes"] is None
     assert "did not report" in result["note"]
 
 
@@ -338,3 +340,43 @@ def test_bench_remote_unreachable_fails_before_loading(folder: Path, capsys) -> 
     code, _, err = cli(capsys, "bench", "--target", str(folder), "--remote",
                        "http://127.0.0.1:9/v1")
     assert code == 2 and "cannot reach" in err and "loading target" not in err
+
+
+def test_ui_chat_through_a_remote_server_shows_its_reply_and_statistics(
+        remote: RemoteEngine, base_url: str) -> None:
+    from app.ui.chat import ChatHandlers
+    from app.ui.workbench import Workbench
+    from tests.test_ui import send
+
+    bench = Workbench()
+    bench.attach_remote(connect(base_url))
+    frames = send(ChatHandlers(bench), PROMPT, system="", max_new_tokens=12)
+    chatbot, turns, stats = frames[-1][:3]
+    _, done = run(remote.chat([{"role": "user", "content": PROMPT}],
+                              SamplingParams(max_new_tokens=12)))
+    assert turns[-1]["content"] == done.text and chatbot[-1]["content"]
+    assert 'data-status="done' in stats and 'data-stat="drafter-draft"' in stats
+    assert ">?<" not in stats  # a specdeck server reports every statistic
+
+
+def test_ui_chat_through_a_server_without_statistics_says_what_it_cannot_show() -> None:
+    from app.ui.chat import ChatHandlers
+    from app.ui.workbench import Workbench
+    from tests.test_ui import send
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": "someone"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "hello there"},
+                              "finish_reason": "stop"}]}
+        return httpx.Response(200, content=_sse(chunk))
+
+    bench = Workbench()
+    bench.attach_remote(RemoteEngine("http://plain:1", transport=httpx.MockTransport(handler)))
+    _, turns, stats = send(ChatHandlers(bench), "hi", system="")[-1][:3]
+    assert turns[-1]["content"] == "hello there"
+    assert "did not report" in stats and ">?<" in stats
+    race_error = pytest.raises(SpecdeckError, bench.engine, "ngram", 4)
+    assert "needs a local model" in str(race_error.value)

@@ -190,6 +190,22 @@ def test_metrics_count_exactly_what_the_request_reported(
     assert list(per_pos) == ["0", "1", "2", "3"]
 
 
+def test_metrics_split_draft_tokens_by_the_drafter_that_proposed_them(
+        client, model_id: str, base_url: str) -> None:
+    def by_drafter() -> dict[str, float]:
+        return prometheus.by_label(
+            metrics(base_url), "specdeck:spec_decode_drafter_num_accepted_tokens_total",
+            "drafter")
+
+    before = by_drafter()
+    spec = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=20,
+                                     temperature=0).speculative
+    after = by_drafter()
+    reported = {d["name"]: d["accepted"] for d in spec["drafters"]}
+    assert reported and set(reported) <= set(after)
+    assert {name: after[name] - before.get(name, 0) for name in reported} == reported
+
+
 BAD = [
     ("/completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("/completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),

@@ -459,6 +459,15 @@ def test_second_turn_reuses_the_cached_conversation_on_a_real_engine(tiny_pair):
     assert int(cached) > 3
 
 
+def test_a_chain_shows_each_members_share_in_the_stats_panel(tiny_pair):
+    handlers = ChatHandlers(tiny_bench(*tiny_pair))
+    knobs = {**GREEDY, "system": "", "drafter": "chain", "max_new_tokens": 12}
+    panel = send(handlers, "w5 w6 w7 w5 w6 w7 w5 w6", **knobs)[-1][2]
+    assert 'data-stat="drafter-draft"' in panel
+    members = [chunk.split('"')[0] for chunk in panel.split('data-stat="drafter-')[1:]]
+    assert set(members) <= {"lookup", "draft"} and "draft" in members
+
+
 def test_stop_mid_reply_leaves_the_real_engine_giving_fresh_engine_output(tiny_pair):
     bench = tiny_bench(*tiny_pair)
     handlers = ChatHandlers(bench)

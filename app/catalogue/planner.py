@@ -159,9 +159,14 @@ def resolve_device(backend: str, device: str = "auto") -> str:
 
 
 def dtype_for(backend: str, device: str) -> str:
-    """The dtype weights and KV cache live in (torch: fp32 on CPU, bf16 on CUDA)."""
-    if backend == "mlx" or device.startswith("cuda"):
-        return "float16" if backend == "mlx" else "bfloat16"
+    """The dtype `--dtype auto` loads weights and KV cache in: MLX float16; torch bfloat16 on
+    CUDA and on CPUs with native bf16, else float32 (the torch backend decides the same way)."""
+    from backends import cpu_has_native_bf16
+
+    if backend == "mlx":
+        return "float16"
+    if device.startswith("cuda") or cpu_has_native_bf16():
+        return "bfloat16"
     return "float32"
 
 

@@ -33,6 +33,8 @@ class Metrics:
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.accepted_per_pos: list[int] = []
         self.finished_by: dict[str, int] = {}
+        # per drafter name (a chain's members apart): [steps, draft tokens, accepted tokens]
+        self.by_drafter: dict[str, list[int]] = {}
         self.running = self.queued = 0
 
     def queued_one(self) -> None:
@@ -59,6 +61,10 @@ class Metrics:
             self.accepted_per_pos.extend([0] * (len(per_pos) - len(self.accepted_per_pos)))
             for j, n in enumerate(per_pos):
                 self.accepted_per_pos[j] += n
+            for member in done.stats.drafters:
+                counts = self.by_drafter.setdefault(member.name, [0, 0, 0])
+                for i, n in enumerate((member.steps, member.drafted, member.accepted)):
+                    counts[i] += n
 
     def render(self, model: str) -> str:
         label = {"model_name": model}
@@ -73,6 +79,7 @@ class Metrics:
             ("specdeck:spec_decode_num_accepted_tokens_per_pos_total", "counter",
              "Accepted tokens per draft position.",
              [({**label, "position": str(j)}, n) for j, n in enumerate(self.accepted_per_pos)]),
+            *self._drafter_families(label),
             ("specdeck:request_success_total", "counter", "Count of finished requests.",
              [({**label, "finished_reason": r}, n) for r, n in sorted(self.finished_by.items())]),
             ("specdeck:num_requests_running", "gauge", "Requests generating now.",
@@ -81,3 +88,13 @@ class Metrics:
              [(label, self.queued)]),
         ]
         return families
+
+    def _drafter_families(self, label: dict[str, str]) -> list[tuple]:
+        # specdeck's own names: vLLM has no per-drafter split (a chain's members apart)
+        docs = (("spec_decode_drafter_num_drafts", "Drafts proposed, per drafter."),
+                ("spec_decode_drafter_num_draft_tokens", "Draft tokens, per drafter."),
+                ("spec_decode_drafter_num_accepted_tokens", "Accepted tokens, per drafter."))
+        return [(f"specdeck:{name}_total", "counter", doc,
+                 [({**label, "drafter": drafter}, counts[i])
+                  for drafter, counts in sorted(self.by_drafter.items())])
+                for i, (name, doc) in enumerate(docs)]

@@ -21,7 +21,15 @@ from typing import Any
 
 import httpx
 
-from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step, StopReason
+from app.core.types import (
+    Done,
+    DrafterStats,
+    RunStats,
+    SamplingParams,
+    SpecdeckError,
+    Step,
+    StopReason,
+)
 from app.serve import prometheus
 
 ENGINES = ("auto", "specdeck", "vllm", "sglang", "llama.cpp", "openai")
@@ -37,7 +45,8 @@ _POSITIONS = frozenset({"accepted_per_position", "drafted_per_position",
 # which RunStats.to_dict() names each source of statistics fills (see the stats_from_* below)
 REPORTS = {
     "specdeck": MEASURED | _COUNTS | _POSITIONS | {
-        "accepted_length_histogram", "prefill_s", "draft_s", "verify_s", "other_s"},
+        "accepted_length_histogram", "prefill_s", "draft_s", "verify_s", "other_s",
+        "drafters"},
     "llama.cpp": MEASURED | _COUNTS | {"prefill_s"},
     "vllm": MEASURED | _COUNTS | _POSITIONS,
     "sglang": MEASURED | _COUNTS,
@@ -140,7 +149,9 @@ def stats_from_specdeck(spec: Mapping[str, Any]) -> dict[str, Any]:
             "drafted_per_position": tuple(spec["drafted_per_position"]),
             "accepted_length_histogram": tuple(spec["acceptance_histogram"]),
             **{key: spec[key] for key in ("ttft_s", "prefill_s", "decode_s", "draft_s",
-                                          "verify_s")}}
+                                          "verify_s")},
+            "drafters": tuple(DrafterStats(d["name"], d["steps"], d["drafted"], d["accepted"])
+                              for d in spec.get("drafters", ()))}
 
 
 def _forwards(n_new: int, accepted: int) -> int:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from app.catalogue.shipped import shipped_path
+from app.core.types import SpecdeckError
 
 ASSETS = shipped_path("assets")
 
@@ -30,6 +31,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--pair", help="catalogue pair id to load at start (see `specdeck models`)")
     add_model_arguments(p)
+    from app.remoting import add_remote_arguments
+
+    add_remote_arguments(p)  # Chat through a server; Race and Bench need a local model
     p.set_defaults(handler=_ui, drafter="auto")
 
 
@@ -42,7 +46,7 @@ def _ui(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     bench = Workbench(args.backend, args.device, args.dtype, default_k=args.k,
                       draft_dtype=getattr(args, "draft_dtype", None))
-    message = load_at_start(bench, args)
+    message = attach_remote(bench, args) if args.remote else load_at_start(bench, args)
     loaded_s = time.perf_counter() - started
     demo = build_app(bench, drafter=args.drafter, start_notice=message)
     demo.queue(default_concurrency_limit=1)
@@ -92,6 +96,17 @@ def load_at_start(bench: Any, args: argparse.Namespace) -> str:
     return ""
 
 
+def attach_remote(bench: Any, args: argparse.Namespace) -> str:
+    """Connect Chat to --remote before the page opens; a bad URL or key stops the command."""
+    from app.remoting import connect_remote
+
+    if args.pair:
+        raise SpecdeckError("--pair loads a local model: drop it with --remote")
+    bench.attach_remote(connect_remote(args))
+    print(f"specdeck: chatting through {bench.label} ({bench.remote.target.name})", flush=True)
+    return ""
+
+
 def _is_pair(name: str) -> bool:
     try:
         from app.catalogue.registry import load_catalogue
@@ -107,6 +122,10 @@ def read_css() -> str:
 
 def model_bar(bench: Any) -> str:
     """The line under the title: what is loaded, on which device."""
+    if getattr(bench, "remote", None) is not None:
+        text = (f"{bench.label}: {bench.remote.target.name} · Chat runs on that server "
+                "(its drafter and k); Race and Bench need a local model")
+        return f'<div class="sd-model-bar" data-loaded="remote">{html.escape(text)}</div>'
     if not bench.loaded:
         return ('<div class="sd-model-bar" data-loaded="false">No model loaded: open '
                 '<b>Models</b> to download and load a pair.</div>')

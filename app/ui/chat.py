@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from app import remoting
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.loading import chat_ids
 from app.ui.inputs import (
@@ -28,6 +29,7 @@ from app.ui.inputs import (
     sampling_from,
 )
 from app.ui.render import (
+    CARD_STATS,
     POSITIONS,
     Reply,
     friendly_error,
@@ -98,10 +100,15 @@ class ChatHandlers:
             params = sampling_from(temperature, top_p, top_k, min_p, max_new_tokens, seed)
             k_value = parse_k(k)
             with self.bench.hold(session) as cancel:
-                engine, choice, prompt_ids = self._prepare(message, turns, system, drafter,
-                                                           k_value)
-                yield from self._stream(engine, choice.kind, prompt_ids, params, cancel,
-                                        message, turns, highlight)
+                if self.bench.remote is not None:
+                    engine, kind = self.bench.remote, self.bench.remote.drafter_name
+                    events = self._remote_run(message, turns, system, params, cancel)
+                else:
+                    engine, choice, prompt_ids = self._prepare(message, turns, system, drafter,
+                                                               k_value)
+                    kind = choice.kind
+                    events = engine.generate(prompt_ids, params, cancel=cancel)
+                yield from self._stream(engine, kind, events, message, turns, highlight)
                 if session in self._clearing:  # Clear was pressed mid-reply: its view wins
                     yield self.clear() + ("",)
         except Exception as error:  # noqa: BLE001 - shown in the page; the model was released
@@ -126,14 +133,21 @@ class ChatHandlers:
         engine.check_prompt(prompt_ids)
         return engine, choice, prompt_ids
 
-    def _stream(self, engine: Any, kind: str, prompt_ids: list[int], params: SamplingParams,
-                cancel: Any, message: str, turns: list[Turn], highlight: bool) -> Iterator[tuple]:
-        reply = Reply(engine.target.tokenizer)
+    def _remote_run(self, message: str, turns: list[Turn], system: str,
+                    params: SamplingParams, cancel: Any) -> Iterator[Any]:
+        # the server applies its own chat template; drafter and k are the server's
+        if not (message or "").strip():
+            raise SpecdeckError("the message is empty: type something to send")
+        return self.bench.remote.chat(conversation(system or "", turns, message), params,
+                                      cancel)
+
+    def _stream(self, engine: Any, kind: str, events: Iterator[Any], message: str,
+                turns: list[Turn], highlight: bool) -> Iterator[tuple]:
+        reply = Reply(getattr(engine.target, "tokenizer", None))
         turns = [*turns, {"role": "user", "content": message},
                  {"role": "assistant", "content": "", "segments": [], "note": ""}]
         # the message shows at once; the reply follows after the prompt is read (prefill)
         yield self._frame(turns, reply, "reading the prompt…", kind, engine.k, highlight, "")
-        events = engine.generate(prompt_ids, params, cancel=cancel)
         last = time.perf_counter()
         try:
             for event in events:
@@ -153,7 +167,14 @@ class ChatHandlers:
                highlight: bool, message_notice: str, note: str = "") -> tuple:
         turns = [*turns[:-1], {"role": "assistant", "content": reply.text,
                                "segments": list(reply.segments), "note": note}]
-        stats = stats_html(reply.stats, status, kind, k, self.bench.memory())
+        remote = self.bench.remote
+        if remote is not None:  # what the server did not report shows as "?", and why
+            unknown = [name for name in remoting.unreported(remote, CARD_STATS)
+                       if reply.done]
+            stats = stats_html(reply.stats, f"{status} · {remoting.note(remote, unknown)}"
+                               if unknown else status, kind, k, unknown=frozenset(unknown))
+        else:
+            stats = stats_html(reply.stats, status, kind, k, self.bench.memory())
         return (chatbot_value(turns, highlight), turns, stats, position_frame(reply.stats),
                 notice(message_notice), "")
 

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from app.core.text import IncrementalDetokenizer
-from app.core.types import Done, RunStats, SpecdeckError, Step
+from app.core.types import Done, DrafterStats, RunStats, SpecdeckError, Step
 
 # provenance of a committed token (LANDSCAPE: per-token provenance, EAGLE's highlight)
 KINDS = {
@@ -55,21 +55,25 @@ class Reply:
     done: Done | None = None
 
     def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.tokenizer)
+        # no tokenizer (a remote engine): the steps' own text, without per-token provenance
+        self._detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
 
     @property
     def text(self) -> str:
         return "".join(text for text, _ in self.segments)
 
     def add(self, step: Step) -> None:
+        self.stats = step.stats
+        if self._detok is None:
+            self._append(step.text, token_kinds(step)[0] if step.tokens else "target")
+            return
         for token, kind in zip(step.tokens, token_kinds(step)):
             self.token_ids.append(int(token))
             self._append(self._detok.push([token]), kind)
-        self.stats = step.stats
 
     def finish(self, done: Done) -> None:
         """Flush held-back text; the engine's final text wins if the two ever disagree."""
-        self._append(self._detok.flush(), "target")
+        self._append(self._detok.flush() if self._detok else "", "target")
         self.done, self.stats = done, done.stats
         if self.text != done.text:
             self.segments = [(done.text, "target")]
@@ -112,7 +116,18 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _card(label: str, value: str, key: str, hint: str = "") -> str:
+# the RunStats names behind each card: a card whose source went unreported shows "?"
+CARD_SOURCES = {"tok_s": ("decode_tok_s",), "tau": ("mean_accepted_length",),
+                "acceptance": ("acceptance_rate",), "counts": ("accepted", "drafted"),
+                "new_tokens": ("n_new_tokens",), "prompt": ("n_prompt_tokens",),
+                "ttft": ("ttft_s",), "split": ("draft_s", "verify_s")}
+CARD_STATS = frozenset(name for names in CARD_SOURCES.values() for name in names)
+
+
+def _card(label: str, value: str, key: str, hint: str = "",
+          unknown: frozenset[str] = frozenset()) -> str:
+    if unknown.intersection(CARD_SOURCES.get(key, ())):
+        value, hint = "?", "the engine did not report this"
     title = f' title="{html.escape(hint)}"' if hint else ""
     return (f'<div class="sd-card" data-stat="{key}"{title}><div class="sd-card-value">'
             f'{html.escape(value)}</div><div class="sd-card-label">{html.escape(label)}</div>'
@@ -120,25 +135,13 @@ def _card(label: str, value: str, key: str, hint: str = "") -> str:
 
 
 def stats_html(stats: RunStats | None, status: str, drafter: str = "", k: int = 0,
-               memory: dict[str, int] | None = None) -> str:
-    """The live stats panel: speed, τ, acceptance, counts, timing split and memory."""
+               memory: dict[str, int] | None = None,
+               unknown: frozenset[str] = frozenset()) -> str:
+    """The live stats panel: speed, τ, acceptance, counts, timing split and memory; cards
+    whose RunStats names are in `unknown` (a remote engine did not report them) show "?"."""
     s = stats or RunStats()
-    cards = [
-        _card("decode tok/s", f"{s.decode_tok_s:.1f}", "tok_s", "tokens per second after the "
-              "first token; prefill excluded"),
-        _card("τ accepted length", f"{s.mean_accepted_length:.2f}", "tau", "tokens committed "
-              "per target forward, bonus included; plain decoding is 1.00"),
-        _card("acceptance", f"{s.acceptance_rate:.0%}", "acceptance",
-              "accepted draft tokens / drafted tokens"),
-        _card("accepted / drafted", f"{s.accepted} / {s.drafted}", "counts"),
-        _card("new tokens", str(s.n_new_tokens), "new_tokens",
-              f"{s.target_forwards} target forwards after the prefill"),
-        _card("prompt (cached)", f"{s.n_prompt_tokens} ({s.n_cached_prompt_tokens})", "prompt",
-              "prompt tokens, and how many were reused from the cache"),
-        _card("first token", f"{s.ttft_s * 1000:.0f} ms", "ttft"),
-        _card("draft / verify / other", f"{s.draft_s:.2f} / {s.verify_s:.2f} / "
-              f"{s.other_s:.2f} s", "split"),
-    ]
+    cards = [_with_unknown(card, unknown) for card in _cards(s)]
+    cards += [_member_card(member, s.target_forwards) for member in s.drafters]
     if memory:
         peak = max(memory.get("peak", 0), s.peak_memory_bytes)
         cards.append(_card("memory now (peak)", f"{human_bytes(memory['rss'])} "
@@ -149,6 +152,39 @@ def stats_html(stats: RunStats | None, status: str, drafter: str = "", k: int = 
                        + (f" · speculation off for {off} steps (it did not pay)" if off else ""))
     return (f'<div class="sd-stats"><div class="sd-status" data-status="{html.escape(status)}">'
             f'{head}</div><div class="sd-cards">{"".join(cards)}</div></div>')
+
+
+def _with_unknown(card: tuple[str, ...], unknown: frozenset[str]) -> str:
+    return _card(*card, unknown=unknown)
+
+
+def _cards(s: RunStats) -> list[tuple[str, ...]]:
+    """(label, value, key, hint) of the fixed cards."""
+    return [
+        ("decode tok/s", f"{s.decode_tok_s:.1f}", "tok_s",
+         "tokens per second after the first token; prefill excluded"),
+        ("τ accepted length", f"{s.mean_accepted_length:.2f}", "tau",
+         "tokens committed per target forward, bonus included; plain decoding is 1.00"),
+        ("acceptance", f"{s.acceptance_rate:.0%}", "acceptance",
+         "accepted draft tokens / drafted tokens"),
+        ("accepted / drafted", f"{s.accepted} / {s.drafted}", "counts"),
+        ("new tokens", str(s.n_new_tokens), "new_tokens",
+         f"{s.target_forwards} target forwards after the prefill"),
+        ("prompt (cached)", f"{s.n_prompt_tokens} ({s.n_cached_prompt_tokens})", "prompt",
+         "prompt tokens, and how many were reused from the cache"),
+        ("first token", f"{s.ttft_s * 1000:.0f} ms", "ttft"),
+        ("draft / verify / other", f"{s.draft_s:.2f} / {s.verify_s:.2f} / {s.other_s:.2f} s",
+         "split"),
+    ]
+
+
+def _member_card(member: DrafterStats, target_forwards: int) -> str:
+    # a chain's members apart: which one proposed what, and what each adds to τ
+    share = member.to_dict(target_forwards)
+    return _card(f"{member.name}: accepted / drafted",
+                 f"{member.accepted} / {member.drafted} ({member.acceptance_rate:.0%})",
+                 f"drafter-{member.name}",
+                 f"{member.steps} drafts; adds {share['tau_contribution']:.2f} to τ")
 
 
 def position_frame(stats: RunStats | None) -> pd.DataFrame:

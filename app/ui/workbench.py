@@ -51,6 +51,7 @@ class Workbench:
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
+        self.remote: Any = None  # a RemoteEngine (`ui --remote`): Chat talks to that server
         self.busy = threading.Lock()  # one generation per target at a time
         self._engines: dict[str, SpecEngine] = {}  # "chat" (shared) and "race-plain"
         self._drafters: dict[str, Any] = {}  # built once per kind, kept with their caches
@@ -68,7 +69,7 @@ class Workbench:
 
         engines(lane) builds a lane's engine (default: a SpecEngine on target; tests script one).
         """
-        self.target, self.draft = target, draft
+        self.target, self.draft, self.remote = target, draft, None
         self._new_engine = engines or (lambda _lane: SpecEngine(target))
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
@@ -94,6 +95,12 @@ class Workbench:
             if model is not None:
                 warm_up(model)
         self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
+
+    def attach_remote(self, engine: Any) -> None:
+        """Chat through an OpenAI-compatible server instead of a local model."""
+        self.unload()
+        self.remote = engine
+        self.label = f"{engine.kind} at {engine.base_url}"
 
     def unload(self) -> None:
         self.target = self.draft = self.backend = None
@@ -121,6 +128,9 @@ class Workbench:
         """The target's engine bound to a drafter kind and k (a number, or "auto": chosen per
         step). Chat and race share the "chat" lane's engine, so a conversation's cache
         survives switching drafter or tab; the race's plain lane runs on its own."""
+        if self.target is None and self.remote is not None:
+            raise SpecdeckError(f"this tab needs a local model; Chat talks to {self.label}: "
+                                "load a pair in the Models tab, or start without --remote")
         if self.target is None:
             raise SpecdeckError("no model is loaded: pick a pair in the Models tab and press "
                                 "Load, or start with `specdeck ui --target PATH`")

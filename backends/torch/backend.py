@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
+from backends import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.torch import attention as torch_attention
 from backends.torch.exactness import exact_row_block, linear_layers
@@ -66,15 +67,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
                             "lossless: use --dtype int8 (weight-only) instead")
     return _DTYPES[dtype]
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX on this CPU (Linux reports them in /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class TorchSession:

@@ -62,8 +62,10 @@ def _ui(args: argparse.Namespace) -> int:
     except OSError as error:
         raise SpecdeckError(f"cannot serve on {args.host}:{args.port} ({error}): pick another "
                             "port with --port") from error
+    spent = (f"{bench.start.pair_id} is loading in the background" if bench.start is not None
+             else f"{loaded_s:.1f} s of them loading")
     print(f"specdeck: the app is ready at {demo.local_url} ({time.perf_counter() - started:.1f}"
-          f" s after start, {loaded_s:.1f} s of them loading); Ctrl+C stops it", flush=True)
+          f" s after start, {spent}); Ctrl+C stops it", flush=True)
     try:
         demo.block_thread()
     finally:

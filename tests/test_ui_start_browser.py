@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import test_ui_browser
 from tests.installed import link_installed
-from tests.test_ui_browser import (  # noqa: F401 - browser is a fixture used here
+from tests.test_ui_browser import (
     App,
     bot_messages,
-    browser,
     send,
     set_number,
     shot,
@@ -28,6 +28,7 @@ from tests.test_ui_browser import (  # noqa: F401 - browser is a fixture used he
 )
 
 pytestmark = pytest.mark.slow
+browser = test_ui_browser.browser  # the chromium fixture, shared
 
 PROMPT = "Explain what a Python list is, with a code example."
 PAIR = "smollm2-135m+ngram"

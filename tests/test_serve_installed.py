@@ -229,3 +229,23 @@ def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
     text = log.read_text()
     assert f"unloaded {SMOL} (to make room for {QWEN})" in text
     assert f"unloaded {QWEN} (to make room for {SMOL})" in text
+
+
+@pytest.mark.slow
+def test_real_smollm2_installed_is_listed_and_answers_by_its_pair_id(
+        smollm2_gguf: Path, tmp_path: Path) -> None:
+    from tests.installed import link_installed
+
+    home = tmp_path / "home"
+    if link_installed(home, "smollm2-135m-instruct") is None:
+        pytest.skip("SmolLM2 is not installed in the store")
+    messages = [{"role": "user", "content": "Name three primary colors, comma separated."}]
+    with serve_installed(home, tmp_path / "serve.log") as url, \
+            openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300) as client:
+        assert [m.id for m in client.models.list().data] == [SMOL]
+        reply = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=16,
+                                               temperature=0)
+        with pytest.raises(openai.NotFoundError, match=f"specdeck pull {QWEN.replace('+', '.')}"):
+            client.chat.completions.create(model=QWEN, messages=messages, max_tokens=4)
+    assert reply.model == SMOL and reply.choices[0].message.content.strip()
+    assert reply.speculative["drafter"] == "ngram" and reply.usage.completion_tokens > 0

@@ -142,6 +142,26 @@ def test_a_catalogue_pair_that_is_not_installed_is_a_404_naming_specdeck_pull() 
     assert unknown.value.status == 404 and "specdeck pull" in str(unknown.value.body())
 
 
+def test_a_pair_that_fails_to_load_is_a_500_naming_it_and_the_next_request_tries_again(
+        ) -> None:
+    attempts = []
+
+    def load(pair_id: str) -> object:
+        attempts.append(pair_id)
+        if len(attempts) == 1:
+            raise SpecdeckError("model.safetensors is corrupted: run `specdeck pull --verify`")
+        return object()
+
+    pool = Pool([listed("a", GB)], load, 10 * GB, keep_alive_s=300)
+    with pytest.raises(ApiError) as failed:
+        pool.acquire("a")
+    assert failed.value.status == 500 and "could not load a: model.safetensors is corrupted" \
+        in str(failed.value)
+    assert pool.loaded() == []
+    pool.acquire("a")
+    assert pool.loaded() == ["a"] and attempts == ["a", "a"]
+
+
 def test_keep_alive_reads_ollama_durations_and_refuses_the_rest() -> None:
     assert parse_duration("5m") == 300 and parse_duration("1h30m") == 5400
     assert parse_duration("90s") == 90 and parse_duration(0) == 0 and parse_duration("2.5") == 2.5

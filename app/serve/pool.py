@@ -128,11 +128,23 @@ class Pool:
                     return entry.served
                 self._make_room(entry)
             self._log(f"loading {entry.listed.pair_id} (drafter {entry.listed.drafter})")
-            served = self._load(entry.listed.pair_id)
+            served = self._load_or_explain(entry.listed.pair_id)
             with self._state:
                 entry.served, entry.refs, entry.last_used = served, entry.refs + 1, self._clock()
                 self._state.notify_all()
             return served
+
+    def _load_or_explain(self, pair_id: str) -> Any:
+        """The loader's result; a failure becomes a 500 naming the pair (the server stays up,
+        the pair stays unloaded, the next request tries again)."""
+        try:
+            return self._load(pair_id)
+        except Exception as error:  # noqa: BLE001 - any loader failure, reported to the client
+            text = str(error) if isinstance(error, SpecdeckError) else (
+                f"{type(error).__name__}: {error}")
+            self._log(f"could not load {pair_id}: {text}")
+            raise ApiError(f"could not load {pair_id}: {text}", "model", 500, "model_load_failed",
+                           kind="server_error") from error
 
     def release(self, pair_id: str, keep_alive: Any = None) -> None:
         """A request on the pair ended; its keep_alive, when given, applies from now on."""

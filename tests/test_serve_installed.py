@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from app.core.types import SamplingParams, SpecdeckError
+from app.serve import prometheus
 from app.serve.pool import Listed, Pool, parse_duration
 from app.serve.requests import ApiError
 
@@ -246,6 +247,12 @@ def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
             reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
                                               temperature=0)
             assert reply.model == model and loaded(url) == [model]
+        exposition = httpx.get(url.removesuffix("/v1") + "/metrics").text
+    # one family per metric, a sample per pair, counted across its unloads
+    assert exposition.count("# TYPE specdeck:generation_tokens_total ") == 1
+    generated = {s.label("model_name"): s.value for s in prometheus.parse(exposition)
+                 if s.name == "specdeck:generation_tokens_total"}
+    assert set(generated) == {SMOL, QWEN} and all(v > 0 for v in generated.values())
     text = log.read_text()
     assert f"unloaded {SMOL} (to make room for {QWEN})" in text
     assert f"unloaded {QWEN} (to make room for {SMOL})" in text

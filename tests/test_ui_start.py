@@ -136,3 +136,5 @@ def test_a_failed_start_load_says_so_in_the_header_and_frees_the_model() -> None
     go.set()
     assert start.wait(5) and not bench.busy.locked() and not bench.loaded
     assert f"Could not load {SMOL} (the only installed pair): out of memory" in model_bar(bench)
+    bench.attach(scripted_bench()[0].target, label="another pair")  # loaded from Models
+    assert model_bar(bench).startswith('<div class="sd-model-bar" data-loaded="true">another')

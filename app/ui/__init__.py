@@ -140,8 +140,8 @@ def model_bar(bench: Any) -> str:
     """The line under the title: what is loaded, on which device, and why that pair (or the
     start load's progress)."""
     start = bench.start
-    if start is not None and (start.loading or start.error):
-        return start.status_html()
+    if start is not None and (start.loading or start.error and not bench.loaded):
+        return start.status_html()  # a failure shows until a pair is loaded from Models
     if not bench.loaded:
         why = (html.escape(bench.start_reason) if bench.start_reason
                else "open <b>Models</b> to download and load a pair")

@@ -163,6 +163,37 @@ def test_a_pair_that_fails_to_load_is_a_500_naming_it_and_the_next_request_tries
     assert pool.loaded() == ["a"] and attempts == ["a", "a"]
 
 
+def test_a_request_cancelled_while_its_pair_loads_still_releases_it(monkeypatch) -> None:
+    import asyncio
+
+    from app.serve import server
+
+    go = threading.Event()
+
+    def slow_load(pair_id: str) -> object:
+        assert go.wait(5)
+        return type("Served", (), {"model_id": pair_id})()
+
+    pool = Pool([listed("a", GB)], slow_load, 10 * GB, keep_alive_s=0.0)
+    monkeypatch.setattr(server, "prepare_pooled",
+                        lambda pool, chat, raw: (None, None, pool.acquire("a")))
+
+    async def cancelled_mid_load() -> None:
+        task = asyncio.create_task(server._prepare_pooled_async(pool, False, b"{}"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        for _ in range(100):  # the release runs when the load's thread ends
+            await asyncio.sleep(0.02)
+            if not pool.loaded():
+                return
+
+    asyncio.run(cancelled_mid_load())
+    assert pool.loaded() == []  # released with keep-alive 0: unloaded, not leaked
+
+
 def test_keep_alive_reads_ollama_durations_and_refuses_the_rest() -> None:
     assert parse_duration("5m") == 300 and parse_duration("1h30m") == 5400
     assert parse_duration("90s") == 90 and parse_duration(0) == 0 and parse_duration("2.5") == 2.5

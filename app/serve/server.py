@@ -536,7 +536,7 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
                 body, job = await asyncio.to_thread(prepare, served, chat, raw)
                 target, on_end = served, None
             else:
-                body, job, target = await asyncio.to_thread(prepare_pooled, pool, chat, raw)
+                body, job, target = await _prepare_pooled_async(pool, chat, raw)
                 on_end = _releaser(pool, target.model_id, body.keep_alive)
         except BaseException:
             ticket.close()
@@ -573,6 +573,21 @@ def models_list(served: Served) -> dict[str, Any]:
                          "backend": served.backend_name, "device": engine.target.device,
                          "dtype": engine.target.dtype}}
     return {"object": "list", "data": [card]}
+
+
+async def _prepare_pooled_async(pool: Pool, chat: bool, raw: bytes
+                                ) -> tuple[OpenAIRequest, Job, Served]:
+    """prepare_pooled off the event loop; a request cancelled while its pair loads releases
+    the pair once the load ends, so it can still be unloaded later."""
+    task = asyncio.ensure_future(asyncio.to_thread(prepare_pooled, pool, chat, raw))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def release(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                pool.release(done.result()[2].model_id)
+        task.add_done_callback(release)
+        raise
 
 
 def _releaser(pool: Pool, pair_id: str, keep_alive: Any) -> Any:

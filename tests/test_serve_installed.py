@@ -203,6 +203,20 @@ def test_keep_alive_reads_ollama_durations_and_refuses_the_rest() -> None:
             parse_duration(bad)
 
 
+def test_serve_with_nothing_installed_names_the_pull_and_bad_flags_name_the_fix(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    from app.cli import main
+
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))
+    assert main(["serve", "--backend", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "no pair is installed" in err and "`specdeck pull qwen2.5-coder-1.5b+0.5b`" in err
+    assert main(["serve", "--keep-alive", "soon"]) == 2
+    assert "--keep-alive 'soon' is not a duration" in capsys.readouterr().err
+    assert main(["serve", "--served-model-name", "x"]) == 2
+    assert "--served-model-name needs --target" in capsys.readouterr().err
+
+
 # ---- the server, as a process ----------------------------------------------------------
 
 openai = pytest.importorskip("openai")

@@ -56,10 +56,10 @@ def test_ui_without_arguments_loads_the_only_installed_pair_and_answers_at_once(
         page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
         page.goto(app.url)
         page.wait_for_selector("#chat-input textarea")
-        set_number(page, "chat-max-new", 48)
+        set_number(page, "chat-max-new", 32)
         send(page, PROMPT)  # typed at once: it waits for the pair if it is still loading
         counts = []
-        deadline = time.perf_counter() + 180
+        deadline = time.perf_counter() + 400  # 2 shared cores: the load and 32 tokens
         while time.perf_counter() < deadline and not status(page).startswith("done"):
             if bot_messages(page).count():
                 counts.append(int(stat(page, "new_tokens")))
@@ -70,7 +70,7 @@ def test_ui_without_arguments_loads_the_only_installed_pair_and_answers_at_once(
         assert bar.startswith("SmolLM2-135M with prompt lookup"), bar
         assert "loaded at start: the only installed pair" in bar
         assert len(set(counts)) >= 3 and counts == sorted(counts), counts  # live stats
-        assert 0 < int(stat(page, "new_tokens")) <= 48
+        assert 0 < int(stat(page, "new_tokens")) <= 32
         assert bot_messages(page).last.inner_text().strip()
         assert page.get_attribute("#tab-chat", "hidden") is None  # never left Chat
         page.context.close()
@@ -87,6 +87,7 @@ def test_ui_with_nothing_installed_opens_models_with_the_default_download_first(
         page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
         page.goto(app.url)
         button = page.wait_for_selector("#models-get-default", timeout=60_000)
+        page.wait_for_selector("#models-table", timeout=60_000)
         assert button.is_visible()
         assert button.inner_text().startswith("Download qwen2.5-coder-1.5b+0.5b")
         # first in the tab: above the catalogue table and the pair picker

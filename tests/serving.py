@@ -38,18 +38,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def specdeck_serve(args: Sequence[str], log: Path, timeout: float = 180.0) -> Iterator[str]:
+def specdeck_serve(args: Sequence[str], log: Path, timeout: float = 180.0,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
     """Run `specdeck serve ARGS` until the block ends; yields its base URL (…/v1)."""
-    with serve_process(args, log, timeout) as (_, url):
+    with serve_process(args, log, timeout, env) as (_, url):
         yield url
 
 
 @contextmanager
-def serve_process(args: Sequence[str], log: Path, timeout: float = 180.0
-                  ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`specdeck serve ARGS` as a process, healthy: yields it and its base URL (…/v1)."""
+def serve_process(args: Sequence[str], log: Path, timeout: float = 180.0,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`specdeck serve ARGS` as a process, healthy: yields it and its base URL (…/v1).
+    env: variables set for it on top of this process's (SPECDECK_HOME, say)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models: threads only add contention
+    # tiny models: threads only add contention
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "app", "serve", *args,
                                     "--port", str(port)], cwd=ROOT, env=env, stdout=out,

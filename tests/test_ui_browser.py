@@ -41,15 +41,17 @@ def free_port() -> int:
 class App:
     """`specdeck ui` in a subprocess, its output collected, its start timed."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 log_name: str = "app.log") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.lines: list[str] = []
+        self.log_name = log_name
         self.started = time.perf_counter()
-        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
+               **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "ui", "--target", str(model), "--port",
-             str(self.port), "--drafter", "ngram", "--k", "4"],
+            [sys.executable, "-m", "app", "ui", *args, "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -75,7 +77,7 @@ class App:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        (ARTIFACTS / "app.log").write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        (ARTIFACTS / self.log_name).write_text("\n".join(self.lines) + "\n", encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def app(smollm2_gguf, browser) -> Iterator[App]:
-    running = App(smollm2_gguf)
+    running = App(["--target", str(smollm2_gguf), "--drafter", "ngram", "--k", "4"])
     ready_s = running.wait_ready()
     page = browser.new_page()
     page.goto(running.url)

@@ -67,10 +67,7 @@ class Metrics:
                     counts[i] += n
 
     def render(self, model: str) -> str:
-        label = {"model_name": model}
-        with self._lock:
-            families = self._families(label)
-        return "".join(prometheus.render(*family) for family in families)
+        return render_all({model: self})
 
     def _families(self, label: dict[str, str]) -> list[tuple]:
         families = [(f"specdeck:{name}_total", "counter", doc, [(label, self.totals[name])])
@@ -98,3 +95,14 @@ class Metrics:
                  [({**label, "drafter": drafter}, counts[i])
                   for drafter, counts in sorted(self.by_drafter.items())])
                 for i, (name, doc) in enumerate(docs)]
+
+
+def render_all(by_model: dict[str, Metrics]) -> str:
+    """Several models' counters as one exposition: each family once, a sample per model."""
+    merged: dict[str, tuple[str, str, str, list]] = {}
+    for model, metrics in by_model.items():
+        with metrics._lock:
+            families = metrics._families({"model_name": model})
+        for name, kind, doc, samples in families:
+            merged.setdefault(name, (name, kind, doc, []))[3].extend(samples)
+    return "".join(prometheus.render(*family) for family in merged.values())

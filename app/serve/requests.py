@@ -55,6 +55,8 @@ class OpenAIRequest(BaseModel):
     n: int = Field(1, ge=1)
     drafter: str | None = None  # a kind of app.drafters.CHOICES, checked when resolved
     k: int | None = Field(None, ge=0, le=MAX_K)
+    # Ollama's: how long the named pair stays loaded after this request (installed-pairs mode)
+    keep_alive: str | int | float | None = None
 
 
 class ChatRequest(OpenAIRequest):

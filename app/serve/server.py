@@ -1,4 +1,5 @@
-"""`specdeck serve`: an OpenAI-compatible HTTP API over one SpecEngine, with speculative stats.
+"""`specdeck serve`: an OpenAI-compatible HTTP API with speculative stats, over one SpecEngine
+(--target) or every installed pair by its id (app/serve/pool.py loads and unloads them).
 
 Knows: the OpenAI response shapes (/v1/models, /v1/chat/completions, /v1/completions, SSE
 streaming), the `speculative` object (vLLM's per-request stat names where they exist), FastAPI
@@ -35,7 +36,8 @@ from app import drafters
 from app.cli import add_model_arguments
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 from app.serve.admission import Gate, Ticket, read_body, require_json
-from app.serve.metrics import FINISH, Metrics
+from app.serve.metrics import FINISH, Metrics, render_all
+from app.serve.pool import DEFAULT_KEEP_ALIVE, Listed, Pool, need_bytes, parse_duration
 from app.serve.requests import (
     ApiError,
     ChatRequest,
@@ -80,6 +82,8 @@ class Served:
     draft: Any = None  # the loaded draft model, for requests that ask for a model drafter
     backend: Any = None
     _drafters: dict[str, Any] = field(default_factory=dict)  # built on first request, kept
+    # serving the installed pairs: each pair's counters, kept across its unloads
+    pair_metrics: dict[str, Metrics] = field(default_factory=dict)
 
     def drafter_for(self, name: str | None) -> tuple[Any, str]:
         """The drafter a request asks for; ApiError when this server cannot run it."""
@@ -185,6 +189,20 @@ def prepare(served: Served, chat: bool, raw: bytes) -> tuple[OpenAIRequest, Job]
     return body, make_job(served, body, prompt)
 
 
+def prepare_pooled(pool: Pool, chat: bool, raw: bytes) -> tuple[OpenAIRequest, Job, Served]:
+    """As prepare, for the pair the body names: loaded (or kept) and held for this request
+    until the caller releases it."""
+    body = parse_request(ChatRequest if chat else CompletionRequest, raw)
+    pool.check_keep_alive(body.keep_alive)
+    served = pool.acquire(body.model)
+    try:
+        prompt = chat_prompt(served, body) if chat else completion_prompt(served, body)
+        return body, make_job(served, body, prompt), served
+    except BaseException:
+        pool.release(served.model_id)
+        raise
+
+
 def make_job(served: Served, request: OpenAIRequest, prompt_ids: list[int]) -> Job:
     if request.model not in (None, served.model_id):
         raise ApiError(f"the model {shown(request.model)} does not exist: this server serves "
@@ -222,8 +240,10 @@ def sampling(request: OpenAIRequest, context_length: int) -> SamplingParams:
 class Run:
     """One generation on a worker thread; its events reach the event loop through a queue."""
 
-    def __init__(self, served: Served, job: Job, ticket: Ticket | None = None) -> None:
+    def __init__(self, served: Served, job: Job, ticket: Ticket | None = None,
+                 on_end: Any = None) -> None:
         self.served, self.job = served, job
+        self.on_end = on_end  # called once the generation is over (a pool releases the pair)
         self.cancel = threading.Event()
         self.ticket = ticket or served.gate.admit()
         self.ticket.watch(self.cancel)
@@ -259,6 +279,8 @@ class Run:
         finally:
             self.ticket.close()
             metrics.finished(done, ran)
+            if self.on_end is not None:
+                self.on_end()
             self._put(None)
 
     def _wait_for(self, lock: threading.Lock) -> bool:
@@ -454,8 +476,9 @@ def _data(body: dict[str, Any]) -> str:
 
 # ---- the app ----------------------------------------------------------------------------
 
-def build_app(served: Served) -> Any:
-    """The FastAPI application for one served engine."""
+def build_app(served: Served, pool: Pool | None = None) -> Any:
+    """The FastAPI application for one served engine; with a pool, `served` holds only the
+    shared settings (key, gate, body limit) and each request names its pair."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -495,12 +518,13 @@ def build_app(served: Served) -> Any:
 
     @app.get("/v1/models")
     async def _models() -> dict[str, Any]:
-        return models_list(served)
+        return models_list(served) if pool is None else pool_models_list(pool)
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
-        return PlainTextResponse(served.metrics.render(served.model_id),
-                                 media_type="text/plain; version=0.0.4")
+        text = (served.metrics.render(served.model_id) if pool is None
+                else render_all(served.pair_metrics))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _complete(request: Request, chat: bool) -> Any:
         require_json(request.headers.get("content-type"))
@@ -508,11 +532,16 @@ def build_app(served: Served) -> Any:
         try:
             raw = await read_body(request.headers.get("content-length"), request.stream(),
                                   served.max_body_bytes)
-            body, job = await asyncio.to_thread(prepare, served, chat, raw)
+            if pool is None:
+                body, job = await asyncio.to_thread(prepare, served, chat, raw)
+                target, on_end = served, None
+            else:
+                body, job, target = await _prepare_pooled_async(pool, chat, raw)
+                on_end = _releaser(pool, target.model_id, body.keep_alive)
         except BaseException:
             ticket.close()
             raise
-        reply, run = Reply(served, job, chat), Run(served, job, ticket)
+        reply, run = Reply(target, job, chat), Run(target, job, ticket, on_end)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(run, reply, usage), media_type="text/event-stream")
@@ -546,6 +575,43 @@ def models_list(served: Served) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
+async def _prepare_pooled_async(pool: Pool, chat: bool, raw: bytes
+                                ) -> tuple[OpenAIRequest, Job, Served]:
+    """prepare_pooled off the event loop; a request cancelled while its pair loads releases
+    the pair once the load ends, so it can still be unloaded later."""
+    task = asyncio.ensure_future(asyncio.to_thread(prepare_pooled, pool, chat, raw))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def release(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                pool.release(done.result()[2].model_id)
+        task.add_done_callback(release)
+        raise
+
+
+def _releaser(pool: Pool, pair_id: str, keep_alive: Any) -> Any:
+    return lambda: pool.release(pair_id, keep_alive)
+
+
+def pool_models_list(pool: Pool) -> dict[str, Any]:
+    """Every installed pair, with the drafter it runs with and whether it is loaded now."""
+    cards = []
+    for item in pool.listed:
+        served = pool.served(item.pair_id)
+        info: dict[str, Any] = {"name": item.name, "drafter": item.drafter,
+                                "drafter_reason": item.drafter_reason,
+                                "loaded": served is not None, "memory_bytes": item.need_bytes}
+        if served is not None:
+            target = served.engine.target
+            info.update(drafter=served.drafter_name, k=served.engine.k,
+                        backend=served.backend_name, device=target.device, dtype=target.dtype)
+        cards.append({"id": item.pair_id, "object": "model", "created": int(time.time()),
+                      "owned_by": "specdeck", "max_model_len": item.context,
+                      "specdeck": info})
+    return {"object": "list", "data": cards}
+
+
 def _authorised(header: str, key: str) -> bool:
     scheme, _, token = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
@@ -569,7 +635,18 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="requests that may wait while one generates; more get 429 with "
                         f"Retry-After (default {DEFAULT_MAX_WAITING})")
-    p.set_defaults(handler=_serve)
+    installed = p.add_argument_group("without --target: every installed pair, by its id")
+    installed.add_argument("--keep-alive", default=DEFAULT_KEEP_ALIVE,
+                           help="unload a pair idle this long (5m, 30s, 1h; 0 = when its "
+                                f"request ends; -1 = never; default {DEFAULT_KEEP_ALIVE}); a "
+                                "request's keep_alive overrides it for its pair")
+    installed.add_argument("--memory-limit", help="memory the loaded pairs may use, e.g. 16GB "
+                           "(default: what is free at start); the planner's sizes decide what "
+                           "fits, idle pairs are unloaded to make room")
+    installed.add_argument("--max-loaded", type=int, default=0,
+                           help="pairs loaded at once at most (default 0: memory decides)")
+    # --drafter left out: ngram with --target (as before), the planner's choice per pair without
+    p.set_defaults(handler=_serve, drafter=None)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -578,6 +655,9 @@ def _serve(args: argparse.Namespace) -> int:
     from app.loading import load_engine
 
     check_limits(args)
+    if not args.target:
+        return _serve_installed(args)
+    args.drafter = args.drafter or "ngram"
     listener = listen_socket(args.host, args.port)  # before the model: a taken port fails fast
     loaded = load_engine(args)
     engine = loaded.engine
@@ -587,9 +667,7 @@ def _serve(args: argparse.Namespace) -> int:
                     api_key=args.api_key or None, gate=Gate(args.max_waiting),
                     max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
                     backend=loaded.backend)
-    if args.host not in LOOPBACK and not served.api_key:
-        print(f"specdeck: warning: serving on {args.host} without --api-key: anyone who can "
-              "reach this machine can use the model", file=sys.stderr)
+    _warn_if_open(args.host, served.api_key)
     for note in getattr(loaded, "notes", ()):
         print(f"specdeck: {note}", file=sys.stderr)
     print(f"specdeck: serving {served.model_id} (drafter {served.drafter_name}, k {engine.k}) "
@@ -598,6 +676,94 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     cancelling_server()(config, served.gate).run(sockets=[listener])
     return 0
+
+
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    if host not in LOOPBACK and not api_key:
+        print(f"specdeck: warning: serving on {host} without --api-key: anyone who can "
+              "reach this machine can use the model", file=sys.stderr)
+
+
+def _serve_installed(args: argparse.Namespace) -> int:
+    """No --target: serve every installed pair by its id, loading each on first use."""
+    import uvicorn
+
+    if args.served_model_name:
+        raise SpecdeckError("--served-model-name needs --target: without it each installed "
+                            "pair is served by its id")
+    keep_alive = parse_duration(args.keep_alive, "--keep-alive")
+    listed, budget = installed_pairs(args)
+    listener = listen_socket(args.host, args.port)
+    front = Served(engine=None, model_id="specdeck", drafter_name=args.drafter or "auto",
+                   api_key=args.api_key or None, gate=Gate(args.max_waiting),
+                   max_body_bytes=int(args.max_body_mb * 2**20))
+    pool = Pool(listed, lambda pair_id: _load_pair(args, front, pair_id), budget, keep_alive,
+                args.max_loaded, log=lambda line: print(f"specdeck: {line}", file=sys.stderr,
+                                                        flush=True))
+    _warn_if_open(args.host, front.api_key)
+    for item in listed:
+        print(f"specdeck: {item.pair_id}: drafter {item.drafter}, needs "
+              f"{item.need_bytes / 1e9:.2f} GB", file=sys.stderr)
+    print(f"specdeck: serving {len(listed)} installed pair(s) on http://{args.host}:{args.port}"
+          f"/v1, each loaded on first use ({pool.usable_bytes / 1e9:.2f} GB usable, keep-alive "
+          f"{args.keep_alive})", file=sys.stderr, flush=True)
+    pool.start_reaper()
+    config = uvicorn.Config(build_app(front, pool), log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    try:
+        cancelling_server()(config, front.gate).run(sockets=[listener])
+    finally:
+        pool.stop()
+    return 0
+
+
+def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int]:
+    """The installed pairs with the drafter each would run (the planner's choice, or
+    --drafter) and its memory need; and the memory budget they share."""
+    from app import store
+    from app.catalogue import planner
+    from app.catalogue.registry import load_catalogue
+    from backends import detect_backend
+
+    catalogue = load_catalogue()
+    backend = detect_backend() if args.backend == "auto" else args.backend
+    if args.max_loaded < 0:
+        raise SpecdeckError(f"--max-loaded must be >= 0 (got {args.max_loaded})")
+    budget = (planner.parse_bytes(args.memory_limit) if args.memory_limit
+              else planner.available_memory(backend, args.device))
+    rows = [r for r in store.list_pairs(backend, args.device, memory=budget, catalogue=catalogue)
+            if r.installed]
+    if not rows:
+        raise SpecdeckError(f"no pair is installed for the {backend} backend: run `specdeck "
+                            f"pull {catalogue.default_pair}` (`specdeck models` lists the "
+                            "pairs), or give a model with --target PATH")
+    listed = []
+    for row in rows:
+        plan = planner.plan(row.pair.id, backend, args.device, memory=budget,
+                            catalogue=catalogue, implemented=drafters.IMPLEMENTED,
+                            installed=lambda model: store.model_path(model, backend))
+        drafter = args.drafter if args.drafter not in (None, "auto") else plan.choice.label
+        reason = "--drafter" if drafter == args.drafter else plan.choice.reason
+        listed.append(Listed(row.pair.id, row.pair.name, drafter, reason, need_bytes(plan.fit),
+                             row.pair.target.arch.context))
+    return listed, budget
+
+
+def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
+    """Load one installed pair as --target PAIR would, with the planner's drafter."""
+    from app.loading import load_engine
+
+    flags = argparse.Namespace(**{**vars(args), "target": pair_id,
+                                  "drafter": args.drafter or "auto"})
+    loaded = load_engine(flags)
+    for note in loaded.notes:
+        print(f"specdeck: {pair_id}: {note}", file=sys.stderr)
+    return Served(engine=loaded.engine, model_id=pair_id, drafter_name=loaded.drafter_name,
+                  backend_name=loaded.backend_name,
+                  default_k=args.k if isinstance(args.k, int) and args.k > 0 else DEFAULT_K,
+                  api_key=front.api_key, gate=front.gate, max_body_bytes=front.max_body_bytes,
+                  draft=loaded.draft, backend=loaded.backend,
+                  metrics=front.pair_metrics.setdefault(pair_id, Metrics()))
 
 
 def check_limits(args: argparse.Namespace) -> None:

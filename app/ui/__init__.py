@@ -20,6 +20,7 @@ from app.catalogue.shipped import shipped_path
 from app.core.types import SpecdeckError
 
 ASSETS = shipped_path("assets")
+START_POLL_S = 0.5  # how often an open page refreshes the header while the start load runs
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -29,12 +30,13 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    p.add_argument("--pair", help="catalogue pair id to load at start (see `specdeck models`)")
+    p.add_argument("--pair", help="catalogue pair id to load at start (default: the pair "
+                   "used last, else the only installed pair, else the default pair if installed)")
     add_model_arguments(p)
     from app.remoting import add_remote_arguments
 
     add_remote_arguments(p)  # Chat through a server; Race and Bench need a local model
-    p.set_defaults(handler=_ui, drafter="auto")
+    p.set_defaults(handler=_ui, drafter="auto", k="auto")
 
 
 def _ui(args: argparse.Namespace) -> int:
@@ -48,7 +50,10 @@ def _ui(args: argparse.Namespace) -> int:
                       draft_dtype=getattr(args, "draft_dtype", None))
     message = attach_remote(bench, args) if args.remote else load_at_start(bench, args)
     loaded_s = time.perf_counter() - started
-    demo = build_app(bench, drafter=args.drafter, start_notice=message)
+    demo = build_app(bench, drafter=args.drafter, start_notice=message,
+                     nothing_installed=bench.remote is None and not bench.loaded
+                     and bench.start is None
+                     and not installed_here(bench))
     demo.queue(default_concurrency_limit=1)
     if args.host.strip("[]") not in LOOPBACK:
         print(f"specdeck: warning: binding {args.host} makes the app reachable from other "
@@ -62,8 +67,10 @@ def _ui(args: argparse.Namespace) -> int:
     except OSError as error:
         raise SpecdeckError(f"cannot serve on {args.host}:{args.port} ({error}): pick another "
                             "port with --port") from error
+    spent = (f"{bench.start.pair_id} is loading in the background" if bench.start is not None
+             else f"{loaded_s:.1f} s of them loading")
     print(f"specdeck: the app is ready at {demo.local_url} ({time.perf_counter() - started:.1f}"
-          f" s after start, {loaded_s:.1f} s of them loading); Ctrl+C stops it", flush=True)
+          f" s after start, {spent}); Ctrl+C stops it", flush=True)
     try:
         demo.block_thread()
     finally:
@@ -72,27 +79,36 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def load_at_start(bench: Any, args: argparse.Namespace) -> str:
-    """Load --target/--draft or --pair before the page opens; a problem becomes a notice."""
+    """Load --target/--draft before the page opens; otherwise begin loading --pair or the
+    pair the start rule picks (app/ui/start.py) in the background. A problem becomes a
+    notice."""
     from app.core.types import SpecdeckError
-    from app.ui.models import load_pair
+    from app.ui.start import StartLoad, choose_start
 
     if args.pair and args.target:
         raise SpecdeckError("give either --pair or --target, not both")
     if args.target and not os.path.exists(args.target) and _is_pair(args.target):
         args.pair, args.target = args.target, None  # --target may name a catalogue pair
+    if args.target:
+        print(f"specdeck: loading {args.target}" + (f" + {args.draft}" if args.draft else ""),
+              flush=True)
+        bench.load(args.target, args.draft)
+        return ""
     try:
-        if args.target:
-            print(f"specdeck: loading {args.target}" + (f" + {args.draft}" if args.draft else ""),
-                  flush=True)
-            bench.load(args.target, args.draft)
-        elif args.pair:
-            print(f"specdeck: loading pair {args.pair}", flush=True)
-            load_pair(bench, args.pair)
+        choice = choose_start(_backend(bench), args.pair)
+        if args.pair and args.pair not in choice.installed:  # not downloaded: the fix, at once
+            from app import store
+            store.installed_paths(args.pair, _backend(bench))
     except SpecdeckError as error:
-        if args.target:
-            raise
         print(f"specdeck: {error}", file=sys.stderr, flush=True)
         return str(error)
+    if choice.pair_id is None:
+        print(f"specdeck: {choice.reason}", flush=True)
+        bench.start_reason = choice.reason
+        return ""
+    print(f"specdeck: loading pair {choice.pair_id} ({choice.reason}) while the app opens",
+          flush=True)
+    StartLoad(bench, choice).begin()
     return ""
 
 
@@ -105,6 +121,22 @@ def attach_remote(bench: Any, args: argparse.Namespace) -> str:
     bench.attach_remote(connect_remote(args))
     print(f"specdeck: chatting through {bench.label} ({bench.remote.target.name})", flush=True)
     return ""
+
+
+def _backend(bench: Any) -> str:
+    from backends import detect_backend
+
+    return detect_backend() if bench.backend_name == "auto" else bench.backend_name
+
+
+def installed_here(bench: Any) -> bool:
+    from app.core.types import SpecdeckError
+    from app.ui.start import installed_pairs
+
+    try:
+        return bool(installed_pairs(_backend(bench)))
+    except SpecdeckError:
+        return False
 
 
 def _is_pair(name: str) -> bool:
@@ -121,23 +153,32 @@ def read_css() -> str:
 
 
 def model_bar(bench: Any) -> str:
-    """The line under the title: what is loaded, on which device."""
+    """The line under the title: what is loaded, on which device, and why that pair (or the
+    start load's progress)."""
     if getattr(bench, "remote", None) is not None:
         text = (f"{bench.label}: {bench.remote.target.name} · Chat runs on that server "
                 "(its drafter and k); Race and Bench need a local model")
         return f'<div class="sd-model-bar" data-loaded="remote">{html.escape(text)}</div>'
+    start = bench.start
+    if start is not None and (start.loading or start.error and not bench.loaded):
+        return start.status_html()  # a failure shows until a pair is loaded from Models
     if not bench.loaded:
-        return ('<div class="sd-model-bar" data-loaded="false">No model loaded: open '
-                '<b>Models</b> to download and load a pair.</div>')
+        why = (html.escape(bench.start_reason) if bench.start_reason
+               else "open <b>Models</b> to download and load a pair")
+        return f'<div class="sd-model-bar" data-loaded="false">No model loaded: {why}.</div>'
     target = bench.target
     draft = f" + draft {bench.draft.name}" if bench.draft is not None else ""
     text = (f"{bench.label}: target {target.name}{draft} · {target.device} "
             f"{target.dtype} · context {target.context_length}")
+    if start is not None and bench.pair_id == start.pair_id:
+        text += f" · loaded at start: {start.choice.reason}"
     return f'<div class="sd-model-bar" data-loaded="true">{html.escape(text)}</div>'
 
 
-def build_app(bench: Any, drafter: str = "auto", start_notice: str = "") -> Any:
-    """The whole page as gr.Blocks; handlers close over `bench`, no module globals."""
+def build_app(bench: Any, drafter: str = "auto", start_notice: str = "",
+              nothing_installed: bool = False) -> Any:
+    """The whole page as gr.Blocks; handlers close over `bench`, no module globals.
+    With nothing installed it opens on Models, the default pair's download first."""
     import gradio as gr
 
     from app.ui.bench import build_bench_tab
@@ -150,16 +191,29 @@ def build_app(bench: Any, drafter: str = "auto", start_notice: str = "") -> Any:
                 'lossless speculative decoding on your machine</div>')
         bar = gr.HTML(model_bar(bench), elem_id="model-bar")
         gr.HTML(notice(start_notice), elem_id="start-notice")
-        with gr.Tabs():
+        # polls the start load's progress into the header; stops once the load has ended
+        starting = bench.start is not None and bench.start.loading
+        timer = gr.Timer(START_POLL_S, active=starting)
+        with gr.Tabs(selected="models" if nothing_installed else "chat"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat = build_chat_tab(bench, drafter)
             with gr.Tab("Race", id="race", elem_id="tab-race"):
                 build_race_tab(bench, chat.stop)
             with gr.Tab("Models", id="models", elem_id="tab-models"):
-                changes = build_models_tab(bench, bar, lambda: model_bar(bench))
+                changes = build_models_tab(bench, bar, lambda: model_bar(bench),
+                                           get_default_first=nothing_installed,
+                                           start_timer=timer)
             with gr.Tab("Bench", id="bench", elem_id="tab-bench"):
                 build_bench_tab(bench)
         for change in changes:
             change.then(chat.drafter_info, None, chat.drafter_control, queue=False)
+
+        def tick() -> tuple:
+            still = bench.start is not None and bench.start.loading
+            return model_bar(bench), gr.Timer(active=still)
+
+        timer.tick(tick, None, [bar, timer], queue=False).then(
+            chat.drafter_info, None, chat.drafter_control, queue=False)
+        demo.load(lambda: model_bar(bench), None, bar, queue=False)
         demo.unload(chat.stop)  # a closed tab stops its generation after the current step
     return demo

@@ -99,6 +99,11 @@ class ChatHandlers:
             # every control is checked before the model is taken
             params = sampling_from(temperature, top_p, top_k, min_p, max_new_tokens, seed)
             k_value = parse_k(k)
+            start = self.bench.start
+            if start is not None and start.loading:  # the pair loading at start: wait for it
+                yield (gr.skip(), turns, stats_html(None, f"waiting for {start.pair_id} to "
+                                                    "load…"), gr.skip(), notice(""), gr.skip())
+                start.wait()
             with self.bench.hold(session) as cancel:
                 if self.bench.remote is not None:
                     engine, kind = self.bench.remote, self.bench.remote.drafter_name

@@ -12,6 +12,7 @@ import html
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import gradio as gr
@@ -42,22 +43,27 @@ def pair_status(pair_id: str, bench: Workbench) -> Any:
     return found[0]
 
 
-def load_pair(bench: Workbench, pair_id: str) -> None:
-    """Load an installed catalogue pair into the Workbench (the caller holds `busy`)."""
+def load_pair(bench: Workbench, pair_id: str,
+              progress: Callable[[str], None] = lambda _stage: None) -> None:
+    """Load an installed catalogue pair into the Workbench (the caller holds `busy`) and
+    remember it as the pair used last; progress(stage) hears each stage."""
     from app import store
+    from app.store import recent
 
     status = pair_status(pair_id, bench)
     pair = status.pair
     if status.note:
         raise SpecdeckError(f"pair {pair_id} {status.note}: that drafter kind is not built "
                             "yet; pick another pair")
+    progress("checking the files")
     target, draft = store.installed_paths(pair_id, _store_backend(bench))
     drafter = f" {pair.drafter.id}" if pair.drafter else ""
     auto = Choice(pair.drafter_kind, f"auto: the pair's drafter, {pair.drafter_kind}{drafter} "
                                      "(models.yaml)")
     bench.load(str(target), str(draft) if draft else None, label=pair.name, pair_id=pair.id,
-               auto_kind=auto)
-    if pair.k:
+               auto_kind=auto, progress=progress)
+    recent.remember_pair(pair.id)
+    if pair.k and bench.default_k != "auto":  # auto, the app's default, picks k per step
         bench.default_k = pair.k
 
 
@@ -152,6 +158,13 @@ class ModelsHandlers:
         """(model bar, loaded panel, catalogue) after a change."""
         return self.bar(), loaded_html(self.bench), _catalogue_or_empty(self.bench)
 
+    def after_start(self) -> tuple:
+        """(loaded panel, catalogue) once the start load has ended; unchanged before."""
+        start = self.bench.start
+        if start is not None and start.loading:
+            return gr.skip(), gr.skip()
+        return self.view()[1:]
+
     def load_files(self, target: str, draft: str) -> Iterator[tuple]:
         """Load local files; yields (model bar, loaded panel, catalogue, notice)."""
         target, draft = (target or "").strip(), (draft or "").strip()
@@ -187,7 +200,7 @@ class ModelsHandlers:
             with self.bench.hold():
                 action()
         except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
-            text = _failure(error)
+            text = failure_text(error)
             gr.Warning(text)
             yield self.view() + (notice(text),)
             return
@@ -252,7 +265,7 @@ class ModelsHandlers:
                _catalogue_or_empty(self.bench), notice(""))
 
 
-def _failure(error: Exception) -> str:
+def failure_text(error: Exception) -> str:
     """A failed load or delete in words; memory is the usual cause, so it names the fix."""
     if isinstance(error, SpecdeckError):
         return str(error)
@@ -277,10 +290,20 @@ def _pair_ids() -> list[str]:
         return []
 
 
-def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str]) -> list:
+def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str],
+                     get_default_first: bool = False, start_timer: Any = None) -> list:
     """Lay out the Models tab; call inside a gr.Blocks context. Returns the events that
-    change the loaded models, for other tabs to follow."""
+    change the loaded models, for other tabs to follow. get_default_first (nothing is
+    installed): the default pair's download button comes first, and loads it when done.
+    start_timer: ticks while the start load runs; the tab shows its pair once it ends."""
     handlers = ModelsHandlers(bench, bar)
+    default = _default_pair()
+    get_default = None
+    if get_default_first and default:
+        gr.Markdown("### Start here\nNothing is installed yet. Download the default pair; it "
+                    "loads when the download ends, and Chat is ready.")
+        get_default = gr.Button(f"Download {default}", variant="primary",
+                                elem_id="models-get-default")
     models_notice = gr.HTML("", elem_id="models-notice")
     gr.Markdown("### Loaded now")
     loaded = gr.HTML(loaded_html(bench), elem_id="models-loaded")
@@ -291,8 +314,9 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
     table = gr.Dataframe(_catalogue_or_empty(bench), interactive=False, elem_id="models-table",
                          wrap=True)
     with gr.Row():
-        pair = gr.Dropdown(ids, value=bench.pair_id or (ids[0] if ids else None), label="Pair",
-                           elem_id="models-pair", scale=3)
+        first = bench.pair_id or (bench.start.pair_id if bench.start is not None else None)
+        pair = gr.Dropdown(ids, value=first or default or (ids[0] if ids else None),
+                           label="Pair", elem_id="models-pair", scale=3)
         download = gr.Button("Download", elem_id="models-download", scale=1)
         verify = gr.Button("Verify", elem_id="models-verify", scale=1)
         load = gr.Button("Load", variant="primary", elem_id="models-load", scale=1)
@@ -318,4 +342,20 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
     removal = delete.click(handlers.delete, pair, outputs, concurrency_id="model",
                            concurrency_limit=1)
     removal.then(lambda p: pair_details(bench, p), pair, details)
+    if get_default is not None:
+        fetched = get_default.click(partial(handlers.download, default), None,
+                                    [progress, table, models_notice], concurrency_id="download",
+                                    concurrency_limit=1)
+        loads.append(fetched.then(partial(handlers.load, default), None, outputs,
+                                  concurrency_id="model", concurrency_limit=1))
+    if start_timer is not None:
+        start_timer.tick(handlers.after_start, None, [loaded, table], queue=False)
     return [*loads, removal]
+
+
+def _default_pair() -> str | None:
+    try:
+        from app.catalogue.registry import load_catalogue
+        return load_catalogue().default_pair
+    except (ImportError, SpecdeckError):
+        return None

@@ -52,6 +52,8 @@ class Workbench:
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
         self.remote: Any = None  # a RemoteEngine (`ui --remote`): Chat talks to that server
+        self.start: Any = None  # the StartLoad (app/ui/start.py) loading a pair at start
+        self.start_reason = ""  # why nothing was loaded at start, for the header
         self.busy = threading.Lock()  # one generation per target at a time
         self._engines: dict[str, SpecEngine] = {}  # "chat" (shared) and "race-plain"
         self._drafters: dict[str, Any] = {}  # built once per kind, kept with their caches
@@ -76,8 +78,10 @@ class Workbench:
         self._engines, self._drafters = {}, {}
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
-             pair_id: str | None = None, auto_kind: Choice | None = None) -> None:
-        """Load models through the backend; the caller holds `busy` (no generation runs)."""
+             pair_id: str | None = None, auto_kind: Choice | None = None,
+             progress: Callable[[str], None] = lambda _stage: None) -> None:
+        """Load models through the backend; the caller holds `busy` (no generation runs).
+        progress(stage) hears each stage, for a page that shows the load as it goes."""
         from backends import load_backend
 
         if not os.path.exists(target_path):
@@ -86,11 +90,15 @@ class Workbench:
         backend = load_backend(self.backend_name)
         self.unload()
         self.backend = backend
+        progress(f"loading the target {os.path.basename(target_path.rstrip('/'))}")
         target = backend.load(target_path, device=self.device, dtype=self.dtype)
+        if draft_path:
+            progress(f"loading the draft model {os.path.basename(draft_path.rstrip('/'))}")
         draft = (backend.load(draft_path, device=self.device, dtype=self.draft_dtype)
                  if draft_path else None)
         if draft is not None:
             check_vocab_compatible(target, draft)  # refused here, not at the first message
+        progress("warming up")
         for model in (target, draft):
             if model is not None:
                 warm_up(model)

@@ -46,3 +46,40 @@ def test_bf16_on_cpu_keeps_speculative_output_equal_to_plain(smollm2_gguf, capsy
                      "--dtype", "bfloat16")
     assert plain["dtype"] == "bfloat16"
     assert draft["token_ids"] == plain["token_ids"] == ngram["token_ids"]
+
+
+def cpu_dtypes() -> list[str]:
+    """Every CPU dtype that loads losslessly here: bf16 where native, w8a8 where VNNI."""
+    from backends.torch.quant import w8a8_is_exact
+
+    return ["float32", "int8"] + (["bfloat16"] if cpu_has_native_bf16() else []) \
+        + (["w8a8"] if w8a8_is_exact() else [])
+
+
+@pytest.mark.parametrize("dtype", cpu_dtypes())
+def test_large_k_keeps_speculative_output_equal_to_plain_in_every_cpu_dtype(smollm2_gguf,
+                                                                            dtype):
+    # the target drafting for itself accepts long runs, so verifies reach k + 1 rows
+    from app.core.engine import SpecEngine
+    from app.core.types import Done, SamplingParams
+    from app.drafters import build_drafter
+    from app.loading import chat_ids
+    from backends.torch.backend import TorchBackend
+
+    backend = TorchBackend()
+    target = backend.load(str(smollm2_gguf), device="cpu", dtype=dtype)
+    draft = backend.load(str(smollm2_gguf), device="cpu", dtype=dtype)
+    engine = SpecEngine(target)
+    prompt = chat_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
+    params = SamplingParams(max_new_tokens=64)
+
+    def tokens(drafter, k: int) -> tuple[int, ...]:
+        done = [e for e in engine.generate(prompt, params, drafter=drafter, k=k)
+                if isinstance(e, Done)][0]
+        assert done.error is None
+        return done.token_ids
+
+    plain = tokens(None, 1)
+    drafter = build_drafter("draft", target, backend=backend, draft=draft)
+    for k in (1, 8, 16, 32):
+        assert tokens(drafter, k) == plain, (dtype, k)

@@ -30,7 +30,7 @@ test: $(VENV)/.installed $(VENV)/.installed-mlx browser
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
 
-# issue 16's soak (1,000 requests, 4 clients, random disconnects); minutes, so not in `make test`
+# issue 16's soak alone (1,000 requests, 4 clients, random disconnects), with its numbers
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -s -m soak tests/test_soak.py
 

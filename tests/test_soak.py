@@ -4,10 +4,10 @@ leaving early, against a real `specdeck serve` over the tiny saved model.
 Claims: no server error (no 5xx, no `error` finish in /metrics, no traceback in the log) and
 no unexpected client error; every completed output (token ids, text, finish reason) equals the
 same request's solo run; the server's RSS after warm-up grows under 5% by the end; /health
-answers 200 throughout and after. Marked `soak`, so the default run leaves it out (pyproject
-addopts); `make soak` runs it. Waits are on events (clients done, the server's gauges back to
-zero, its finished count reaching what was sent), with a generous cap only so that a broken
-server fails instead of hanging; the early leaves are random points, never a tuned deadline.
+answers 200 throughout and after. Marked `soak`: `-m "not soak"` leaves it out, `make soak`
+runs it alone and shows its numbers. Waits are on events (clients done, the server's gauges
+back to zero, its finished count reaching what was sent), with a generous cap only so that a
+broken server fails instead of hanging; the early leaves are random points, never a deadline.
 """
 
 from __future__ import annotations
@@ -277,6 +277,8 @@ def test_a_thousand_requests_with_random_disconnects_leave_the_server_correct_an
     args = ["--target", str(model), "--drafter", "ngram", "--k", "4"]
     with serve_process(args, log) as (process, base_url):
         solo, whole_s = solo_runs(base_url)
+        # replies handed to the wrong client would show: the prompts' outputs differ
+        assert len({solo[ask] for ask in asks()}) >= 2 * len(PROMPTS), solo
         rng = random.Random(SEED)
         planned = plan(rng, REQUESTS, whole_s)
         sent = len(solo)

@@ -7,7 +7,7 @@ PAIR ?= qwen2.5-coder-1.5b+0.5b
 # elsewhere any torch >= 2.4 does.
 TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
 
-.PHONY: run test lint clean browser
+.PHONY: run test lint clean browser soak
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.installed-mlx browser
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
+
+# issue 16's soak alone (1,000 requests, 4 clients, random disconnects), with its numbers
+soak: $(VENV)/.installed
+	$(PY) -m pytest -q -s -m soak tests/test_soak.py
 
 # the browser tests drive Debian's chromium (never `playwright install`): installed once via apt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -317,6 +317,29 @@ def test_a_far_too_long_prompt_is_refused_from_a_prefix(served: Served, monkeypa
     assert lengths and max(lengths) < len(prompt) // 10
 
 
+def test_a_client_that_leaves_before_its_body_is_read_is_no_server_error(
+        served: Served) -> None:
+    """Found by the soak (tests/test_soak.py): this used to log a ClientDisconnect traceback."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"64")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    arriving = [{"type": "http.request", "body": b'{"prompt": "w5', "more_body": True}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(build_app(served)(scope, receive, send))  # raised ClientDisconnect before
+    assert all(m["status"] < 500 for m in sent if m["type"] == "http.response.start")
+    assert served.gate.live == 0
+    assert served.metrics.finished_by == {}  # nothing started
+
+
 def test_the_gate_refuses_past_its_queue_and_cancels_everything_on_stop() -> None:
     gate = Gate(max_waiting=1)
     running, waiting = gate.admit(), gate.admit()

@@ -482,6 +482,7 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     def authorise(request: Request) -> None:
         if served.api_key and request.url.path != "/health" and not _authorised(
@@ -506,6 +507,12 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
         code = "not_found" if error.status_code == 404 else None
         return refusal(error_body(str(error.detail), "invalid_request_error", code=code),
                        error.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(_request: Request, _error: ClientDisconnect) -> Response:
+        # the client left before its body was read: nothing started and nobody reads this
+        # (nginx's 499 "client closed request"); not a crash, so no traceback in the log
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _crashed(_request: Request, error: Exception) -> Response:

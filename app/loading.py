@@ -54,7 +54,7 @@ def load_engine(args: Any) -> Loaded:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
     # a head folder is the head drafter's own input, never loaded as a causal LM
-    head = draft_path if drafter_kind in drafters.HEADS else None
+    head = _head_folder(draft_path, backend.name) if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
                                      vocab_limit=getattr(args, "draft_vocab", 0), head=head,
                                      tree=bool(getattr(args, "tree", False)))
@@ -74,6 +74,25 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
         return None
     return store.installed_paths(target, None if backend == "auto" else backend,
                                  need_draft=False)
+
+
+def _head_folder(path: str | None, backend: str) -> str | None:
+    """A head given as a folder, or as a catalogue model id that `specdeck pull` installed."""
+    from pathlib import Path
+
+    from app import store
+    from app.catalogue import registry
+
+    models = registry.load_catalogue().models
+    if not path or Path(path).expanduser().exists() or path not in models:
+        return path
+    found = store.model_path(models[path], backend)
+    if found is None:
+        pairs = [p.id for p in registry.load_catalogue().pairs.values()
+                 if p.drafter is not None and p.drafter.id == path]
+        pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
+        raise SpecdeckError(f"the head {path} is not downloaded: {pull} fetches it")
+    return str(found)
 
 
 def _refuse_corrupted_files(*paths: str | None) -> None:

@@ -54,7 +54,7 @@ def load_engine(args: Any) -> Loaded:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
     # a head folder is the head drafter's own input, never loaded as a causal LM
-    head = _head_folder(draft_path, backend.name) if drafter_kind in drafters.HEADS else None
+    head = head_folder(draft_path, backend.name) if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
                                      vocab_limit=getattr(args, "draft_vocab", 0), head=head,
                                      tree=bool(getattr(args, "tree", False)))
@@ -76,7 +76,7 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
                                  need_draft=False)
 
 
-def _head_folder(path: str | None, backend: str) -> str | None:
+def head_folder(path: str | None, backend: str) -> str | None:
     """A head given as a folder, or as a catalogue model id that `specdeck pull` installed."""
     from pathlib import Path
 

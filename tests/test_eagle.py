@@ -195,3 +195,37 @@ def test_sampled_speculation_with_a_head_draws_from_the_targets_distribution(
                                 / expected[keep].sum())
     assert pvalue > 1e-3
     assert accepted > 0  # the rejection rule was exercised on accepted drafts too
+
+
+# ---------------------------------------------------------------- surfaces
+
+
+def test_generate_with_a_head_folder_and_tree_equals_plain_output(deep_target, heads, tmp_path,
+                                                                  capsys):
+    import json
+
+    from app.cli import main
+
+    deep_target.hf.save_pretrained(tmp_path / "target")
+    deep_target.tokenizer.save_pretrained(tmp_path / "target")
+    common = ["generate", "--target", str(tmp_path / "target"), "--prompt", "w5 w9 w12 w5 w9",
+              "--max-new-tokens", "16", "--json", "--dtype", "float32"]
+    outputs = []
+    for extra in (["--drafter", "none"],
+                  ["--drafter", "eagle3", "--draft", str(heads["midlayer"]), "--tree"],
+                  ["--drafter", "eagle", "--draft", str(heads["eagle1"]), "--k", "3"]):
+        assert main([*common, *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1]["token_ids"] == outputs[2]["token_ids"] == outputs[0]["token_ids"]
+    assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
+
+
+def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
+    from app.bench import run as bench
+    from tests.test_bench import word_prompts
+
+    settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
+                                   max_new_tokens=8, head=str(heads["speculators"]), warmup=0)
+    report = bench.run_bench(deep_target, word_prompts(2), settings, backend=TorchBackend())
+    names = {c["name"] for c in report["configs"]}
+    assert {"eagle3 k=3", "eagle3:tree k=3"} <= names  # both built (else left out)

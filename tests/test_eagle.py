@@ -229,3 +229,19 @@ def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
     report = bench.run_bench(deep_target, word_prompts(2), settings, backend=TorchBackend())
     names = {c["name"] for c in report["configs"]}
     assert {"eagle3 k=3", "eagle3:tree k=3"} <= names  # both built (else left out)
+
+
+@pytest.mark.parametrize("ids", [None, (1, 4, 6), (3, 5, 7)])
+def test_a_head_saved_in_the_authors_layout_reloads_reading_the_same_layers(tmp_path, ids):
+    from backends.torch.heads.eagle import Eagle3Head, load_eagle_head, new_eagle3_spec, save_eagle3
+
+    spec = new_eagle3_spec("fresh", target_hidden_size=32, vocab_size=VOCAB, draft_vocab_size=16,
+                           num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                           layer_ids=ids)
+    head = Eagle3Head(spec)
+    save_eagle3(head, tmp_path / "fresh")
+    loaded, again = load_eagle_head(tmp_path / "fresh", kind="eagle3", target_name="t",
+                                    hidden_size=32, vocab_size=VOCAB, n_layers=N_LAYERS)
+    assert again.hs_ids(N_LAYERS) == spec.hs_ids(N_LAYERS)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name

@@ -83,3 +83,12 @@ def test_the_eagle2_tree_is_the_authors_tree(layout):
     draft = drafter.propose(ids, 4)  # depth 4 = the reference's 3 expansions after the root
     assert draft.tokens == tuple(golden["tree_tokens"].tolist())
     assert draft.parents == tuple(golden["tree_parents"].tolist())
+
+
+def test_the_head_speculators_wrote_is_read_with_its_boundary_layer_ids_and_verifier():
+    from backends.torch.heads.eagle_format import read_eagle_spec
+
+    spec = read_eagle_spec(FIXTURES / "speculators")
+    assert (spec.layout, spec.prefix, spec.own_embed) == ("speculators", "layers.0.", True)
+    assert spec.hs_ids(N_LAYERS) == (1, 3, 6) and spec.verifier == "tiny-llama-test"
+    assert spec.draft_vocab_size == 16 and not spec.norm_before_residual

@@ -202,13 +202,12 @@ class EagleDrafter:
             for node in nodes:
                 fed_rows[node] = len(fed_rows)
             h, past = self.head(self._embed(ids), hidden, positions, past, mask)
+            logits, feedback = self.head.logits(h[0]), self.head.feedback(h[0])  # one matmul
             new: list[int] = []
             for row, node in enumerate(nodes):
-                out = h[0, row]
-                kids = self._children(self.head.logits(out), candidates[node].score, node,
-                                      depth, top)
-                for kid in kids:
-                    inputs[len(candidates)] = self.head.feedback(out)
+                for kid in self._children(logits[row], candidates[node].score, node, depth,
+                                          top):
+                    inputs[len(candidates)] = feedback[row]
                     new.append(len(candidates))
                     candidates.append(kid)
             frontier = sorted(new, key=lambda i: -candidates[i].score)[:top]

@@ -303,3 +303,17 @@ def test_norm_variants_and_qk_norms_load_and_apply(deep_target, heads, tmp_path)
     done = list(SpecEngine(deep_target).generate(PROMPT, SamplingParams(max_new_tokens=20),
                                                  drafter=drafter, k="auto"))[-1]
     assert done.token_ids == truth
+
+
+def test_one_head_drafter_serves_a_conversation_on_one_engine(deep_target, heads):
+    """Calls share the engine's cached prefix (the prefill then covers only new tokens) and the
+    head's cache keeps what still matches: output stays plain decoding's, turn after turn."""
+    engine = SpecEngine(deep_target)
+    drafter = build(deep_target, heads["midlayer"], "midlayer", tree=True)
+    history = list(PROMPT)
+    for turn in range(3):
+        params = SamplingParams(max_new_tokens=10)
+        done = list(engine.generate(history, params, drafter=drafter, k=3))[-1]
+        assert done.token_ids == plain(deep_target, history, 10), turn
+        assert done.stats.n_cached_prompt_tokens > 0 or turn == 0
+        history = history + list(done.token_ids) + [7, 8, 9]

@@ -60,7 +60,7 @@ class EagleDrafter:
             hf.get_input_embeddings()
         self._final_norm = hf.model.norm if spec.kind == "eagle" else None
         if spec.kind == "eagle":
-            head.target_head = hf.get_output_embeddings()
+            head.use_target_head(hf.get_output_embeddings())
         self._vocab = int(target.vocab_size)
         self._device = target.device
         self._params, self._rng = SamplingParams(), np.random.default_rng()

@@ -317,3 +317,16 @@ def test_one_head_drafter_serves_a_conversation_on_one_engine(deep_target, heads
         assert done.token_ids == plain(deep_target, history, 10), turn
         assert done.stats.n_cached_prompt_tokens > 0 or turn == 0
         history = history + list(done.token_ids) + [7, 8, 9]
+
+
+def test_an_eagle3_variant_without_aux_states_is_refused_by_name(deep_target, heads, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "no-aux"
+    shutil.copytree(heads["layers"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["eagle_config"]["use_aux_hidden_state"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecdeckError, match="use_aux_hidden_state"):
+        build(deep_target, folder, "layers")

@@ -171,6 +171,10 @@ def _eagle3_spec(config: dict[str, Any], names: frozenset[str], name: str,
     _refuse_extra_layers(names, name)
     common = _layer_common(config, names, prefix)
     eagle = config.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise SpecdeckError(f"{name} reads the target's last state only (use_aux_hidden_state "
+                            "false), a variant specdeck does not run: use a head with fc over "
+                            "three layers")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     ids = tuple(int(i) for i in ids) if ids else None
     return EagleSpec(

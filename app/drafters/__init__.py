@@ -1,9 +1,9 @@
 """Drafters that need no array library of their own, and the one factory every surface uses.
 
 Knows: every drafter kind specdeck names (the catalogue's, the CLI's, the server's, the UI's),
-which of them can be built, and how: prompt lookup (chain or tree), the draft model through
-the backend, and their chain. Must not know: array libraries (a backend builds the model
-drafters it owns), surfaces.
+which of them can be built, and how: prompt lookup (chain or tree), lookahead decoding, the
+draft model through the backend, and their chain. Must not know: array libraries (a backend
+builds the model drafters it owns), surfaces.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from typing import Any
 from app.core.protocols import Drafter
 from app.core.types import SpecdeckError
 from app.drafters.chain import ChainDrafter
+from app.drafters.lookahead import LookaheadDrafter
 from app.drafters.ngram import NgramDrafter, NoDrafter
 
 # every kind, in the order menus list them; heads come with their issues
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
-IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain"})
+IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
@@ -35,6 +36,7 @@ def describe(kind: str) -> str:
     return {"none": "plain decoding", "ngram": "prompt lookup (n-gram)",
             "ngram-tree": "prompt lookup with branches (a tree)",
             "draft": "a small draft model", "chain": "prompt lookup, then the draft model",
+            "lookahead": "lookahead decoding (Jacobi window and n-gram pool, a tree)",
             }.get(kind, kind)
 
 
@@ -52,6 +54,8 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
         return NgramDrafter()
     if kind == "ngram-tree":
         return NgramDrafter(tree=True, max_nodes=TREE_NODES)
+    if kind == "lookahead":
+        return LookaheadDrafter()
     if draft is None or backend is None:
         raise SpecdeckError(f"drafter {kind!r} needs a draft model: give --draft PATH (a small "
                             "model of the target's family) or pull a pair that has one")

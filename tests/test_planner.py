@@ -19,7 +19,7 @@ from app.core.types import SpecdeckError
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GB = 10**9
-ALL_KINDS = frozenset({"ngram", "draft", "eagle3", "dflash", "medusa", "mtp"})
+ALL_KINDS = frozenset({"ngram", "lookahead", "draft", "eagle3", "dflash", "medusa", "mtp"})
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_a_target_with_mtp_layers_drafts_with_them_when_mtp_is_implemented(tmp_p
 def test_mtp_layers_are_refused_with_needs_mtp_until_it_is_implemented(tmp_path):
     plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
                         "cuda", 80 * GB)
-    assert plan.choice.kind == "ngram"
+    assert plan.choice.kind == "lookahead"  # on CUDA the model-free tree comes before lookup
     assert [(o.kind, o.reason.split(":")[0]) for o in plan.refused] == [("mtp", "needs mtp")]
 
 
@@ -163,7 +163,7 @@ def test_with_nothing_to_draft_with_the_choice_is_ngram(catalogue):
 
 def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catalogue):
     plan = planner.plan("qwen3-8b", "torch", "cuda", 18 * GB, catalogue=catalogue)
-    assert plan.choice.kind == "ngram"
+    assert plan.choice.kind == "lookahead"
     draft = next(o for o in plan.refused if o.kind == "draft")
     assert draft.reason.startswith("the target alone does not fit")
     assert plan.reasons()[-1].startswith("warning: target does not fit: needs 16.99 GB")
@@ -171,7 +171,7 @@ def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catal
 
 def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue):
     plan = planner.plan("llama3.1-8b-instruct", "torch", "cuda", 20 * GB, catalogue=catalogue)
-    assert plan.choice.kind == "ngram" and plan.fit.target_fits
+    assert plan.choice.kind == "lookahead" and plan.fit.target_fits
     refused = {o.model.id: o.reason for o in plan.refused if o.kind == "draft"}
     assert refused["llama3.2-1b-instruct"].startswith("does not fit: its weights and KV cache "
                                                       "need 2.61 GB more")

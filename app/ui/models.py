@@ -22,7 +22,7 @@ from app.ui.chat import notice
 from app.ui.render import human_bytes
 from app.ui.workbench import Choice, Workbench
 
-COLUMNS = ("pair", "drafter", "k", "status", "download", "on disk", "backends",
+COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "backends",
            "context plain / spec", "streams plain / spec")
 FIT_CONTEXT = 4096  # the per-stream context the stream counts assume
 
@@ -81,7 +81,8 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
         else:
             context = f"{fit.max_context_plain} / {fit.max_context_spec}"
             streams = f"{fit.streams_plain} / {fit.streams_spec}"
-        rows.append((p.id, drafter, str(p.k), status, size,
+        auto = r.plan.choice.kind if r.plan else "—"  # the card says why
+        rows.append((p.id, drafter, auto, str(p.k), status, size,
                      human_bytes(r.disk_bytes) if r.disk_bytes else "—",
                      ", ".join(p.backends), context, streams))
     return pd.DataFrame(rows, columns=list(COLUMNS))

@@ -37,6 +37,8 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.NEEDS_DRAFT_MODEL and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft PATH (a small model of the "
                             "same family)")
+    if drafter_kind in drafters.HEADS and not draft_path:
+        raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
     backend = load_backend(args.backend)
     target_path = str(pair[0]) if pair else args.target
     _refuse_corrupted_files(target_path, draft_path)
@@ -51,8 +53,11 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.NEEDS_DRAFT_MODEL:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
+    # a head folder is the head drafter's own input, never loaded as a causal LM
+    head = draft_path if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
-                                     vocab_limit=getattr(args, "draft_vocab", 0))
+                                     vocab_limit=getattr(args, "draft_vocab", 0), head=head,
+                                     tree=bool(getattr(args, "tree", False)))
     engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k)
     return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
                   notes=notes, draft=draft, backend=backend)

@@ -343,6 +343,14 @@ class TorchBackend:
         from app.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
+    def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
+        """A head drafter for the target from its folder: Medusa heads ("medusa")."""
+        if kind == "medusa":
+            from backends.torch.heads.medusa import load_medusa_drafter
+
+            return load_medusa_drafter(target, path)
+        raise SpecdeckError(f"drafter {kind!r} has no head loader on torch")
+
 
 class SubsetHead(torch.nn.Module):
     """An output layer over a subset of the vocabulary, scattered into full-width logits."""

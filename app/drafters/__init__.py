@@ -20,7 +20,7 @@ from app.drafters.ngram import NgramDrafter, NoDrafter
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
 IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
-                         "medusa"})
+                         "medusa", "mtp"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 HEADS = frozenset({"medusa"})  # drafters whose --draft is a head folder, not a model
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
@@ -40,6 +40,7 @@ def describe(kind: str) -> str:
             "draft": "a small draft model", "chain": "prompt lookup, then the draft model",
             "lookahead": "lookahead decoding (Jacobi window and n-gram pool, a tree)",
             "medusa": "Medusa heads on the target's last hidden state (a static tree)",
+            "mtp": "the target's own MTP layers (native multi-token prediction)",
             }.get(kind, kind)
 
 
@@ -55,6 +56,11 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
                             f"{', '.join(CHOICES)}")
     if kind == "none":
         return NoDrafter()
+    capabilities = getattr(target, "capabilities", None)
+    if capabilities is not None and not capabilities.rewind:
+        # a rejected draft would stay in a recurrent state: refuse rather than decode wrongly
+        raise SpecdeckError(f"{getattr(target, 'name', 'this target')} cannot speculate: "
+                            f"{capabilities.reason}; use --drafter none")
     if kind == "ngram":
         return NgramDrafter()
     if kind == "ngram-tree":
@@ -63,6 +69,11 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
         return LookaheadDrafter()
     if kind in HEADS:
         return _head_drafter(kind, target, backend, head, tree)
+    if kind == "mtp":
+        if backend is None or not hasattr(backend, "mtp_drafter"):
+            name = getattr(backend, "name", "this backend")
+            raise SpecdeckError(f"drafter 'mtp' is not on {name} yet: use --backend torch")
+        return backend.mtp_drafter(target)
     if draft is None or backend is None:
         raise SpecdeckError(f"drafter {kind!r} needs a draft model: give --draft PATH (a small "
                             "model of the target's family) or pull a pair that has one")

@@ -259,6 +259,7 @@ class TorchModel:
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
         self.row_block = MAX_VERIFY_ROWS  # verify rows per forward; set by check_exactness
         self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
+        self.source: Path | None = None  # the folder it was loaded from, when it was
 
     def check_exactness(self) -> None:
         """On CPU, find the verify block size that keeps each row's bits (exactness.py).
@@ -332,6 +333,7 @@ class TorchBackend:
         if dtype in QUANTIZED:
             quantize_linears(hf, dtype)
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
+        model.source = Path(folder)  # MTP layers are read from the checkpoint's own files
         if dtype in QUANTIZED:
             model.dtype = dtype
             model.min_rows = 1  # their matmuls give a row the same bits for any row count
@@ -350,6 +352,12 @@ class TorchBackend:
 
             return load_medusa_drafter(target, path)
         raise SpecdeckError(f"drafter {kind!r} has no head loader on torch")
+
+    def mtp_drafter(self, target: TorchModel) -> Any:
+        """The target's own MTP layers as its drafter (SpecdeckError when it has none)."""
+        from backends.torch.heads.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(target)
 
 
 class SubsetHead(torch.nn.Module):

@@ -176,8 +176,8 @@ def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
         session.rewind(len(prompt))
     engine, n = SpecEngine(target), 500
     counts = np.zeros((vocab, vocab))
+    drafter = load_mtp_drafter(target)  # begin() resets it per call
     for seed in range(n):
-        drafter = load_mtp_drafter(target)
         done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
                                                            seed=seed), drafter=drafter, k=2))[-1]
         counts[tuple(done.token_ids[:2])] += 1

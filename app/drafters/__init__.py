@@ -20,9 +20,9 @@ from app.drafters.ngram import NgramDrafter, NoDrafter
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
 IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
-                         "medusa", "mtp"})
+                         "medusa", "mtp", "dflash"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
-HEADS = frozenset({"medusa"})  # drafters whose --draft is a head folder, not a model
+HEADS = frozenset({"medusa", "dflash"})  # drafters whose --draft is a head folder, not a model
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
@@ -41,6 +41,7 @@ def describe(kind: str) -> str:
             "lookahead": "lookahead decoding (Jacobi window and n-gram pool, a tree)",
             "medusa": "Medusa heads on the target's last hidden state (a static tree)",
             "mtp": "the target's own MTP layers (native multi-token prediction)",
+            "dflash": "a DFlash block drafter on the target's hidden states",
             }.get(kind, kind)
 
 

@@ -346,7 +346,12 @@ class TorchBackend:
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
     def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
-        """A head drafter for the target from its folder: Medusa heads ("medusa")."""
+        """A head drafter for the target from its folder: Medusa heads ("medusa") or a DFlash
+        block drafter ("dflash")."""
+        if kind == "dflash":
+            from backends.torch.heads.dflash import load_dflash_drafter
+
+            return load_dflash_drafter(target, path)
         if kind == "medusa":
             from backends.torch.heads.medusa import load_medusa_drafter
 

@@ -124,3 +124,21 @@ def test_a_drafter_for_another_target_is_refused(target, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecdeckError, match=r"target_layer_ids \[9\] are outside"):
         load_dflash_drafter(target, str(folder))
+
+
+def test_the_ui_workbench_runs_a_pair_whose_drafter_is_a_head_folder():
+    from app.ui.workbench import Choice, Workbench
+
+    bench = Workbench(backend="torch", device="cpu")
+    bench.load(str(FIX / "target"), head=str(FIX / "drafter"),
+               auto_kind=Choice("dflash", "auto: the pair's drafter"))
+    assert bench.draft is None  # a head folder is never loaded as a causal LM
+    bound, choice = bench.engine("auto", 3)
+    assert choice.kind == "dflash" and bound.drafter.name == "dflash"
+    prompt = GOLDEN["prompt"]
+    done = list(bound.engine.generate(prompt, SamplingParams(max_new_tokens=12),
+                                      drafter=bound.drafter, k=bound.k))[-1]
+    assert list(prompt) + list(done.token_ids) == GOLDEN["output_ids"][:len(prompt) + 12]
+    bench.unload()
+    with pytest.raises(SpecdeckError, match="needs its head"):
+        Workbench(backend="torch", device="cpu").resolve("dflash")

@@ -110,9 +110,9 @@ def test_a_target_with_mtp_layers_drafts_with_them_when_mtp_is_implemented(tmp_p
     assert plan.fit.drafter_kv_per_token == 1 * 8 * 128 * 2 * 2
 
 
-def test_mtp_layers_are_refused_with_needs_mtp_until_it_is_implemented(tmp_path):
+def test_mtp_layers_are_refused_with_needs_mtp_where_it_is_not_implemented(tmp_path):
     plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
-                        "cuda", 80 * GB)
+                        "cuda", 80 * GB, implemented=ALL_KINDS - {"mtp"})
     assert plan.choice.kind == "lookahead"  # on CUDA the model-free tree comes before lookup
     assert [(o.kind, o.reason.split(":")[0]) for o in plan.refused] == [("mtp", "needs mtp")]
 
@@ -135,7 +135,8 @@ def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalog
 
 
 def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
-    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue)
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        implemented=frozenset({"ngram", "lookahead", "draft"}))
     assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
     assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
         {"dflash": "needs dflash", "eagle3": "needs eagle3"}

@@ -17,6 +17,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from app import drafters
 from app.core.types import SpecdeckError
 from app.ui.chat import notice
 from app.ui.render import human_bytes
@@ -55,8 +56,9 @@ def load_pair(bench: Workbench, pair_id: str) -> None:
     drafter = f" {pair.drafter.id}" if pair.drafter else ""
     auto = Choice(pair.drafter_kind, f"auto: the pair's drafter, {pair.drafter_kind}{drafter} "
                                      "(models.yaml)")
-    bench.load(str(target), str(draft) if draft else None, label=pair.name, pair_id=pair.id,
-               auto_kind=auto)
+    head = str(draft) if draft and pair.drafter_kind in drafters.HEADS else None
+    bench.load(str(target), None if head or not draft else str(draft), label=pair.name,
+               pair_id=pair.id, head=head, auto_kind=auto)
     if pair.k:
         bench.default_k = pair.k
 

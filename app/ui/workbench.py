@@ -48,6 +48,7 @@ class Workbench:
         self.backend: Any = None  # the backend that loaded the models (bench builds drafters)
         self.target: Any = None
         self.draft: Any = None
+        self.head: str | None = None  # a head drafter's folder (DFlash, Medusa)
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
@@ -75,7 +76,8 @@ class Workbench:
         self._engines, self._drafters = {}, {}
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
-             pair_id: str | None = None, auto_kind: Choice | None = None) -> None:
+             pair_id: str | None = None, auto_kind: Choice | None = None,
+             head: str | None = None) -> None:
         """Load models through the backend; the caller holds `busy` (no generation runs)."""
         from backends import load_backend
 
@@ -94,9 +96,10 @@ class Workbench:
             if model is not None:
                 warm_up(model)
         self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
+        self.head = head
 
     def unload(self) -> None:
-        self.target = self.draft = self.backend = None
+        self.target = self.draft = self.backend = self.head = None
         self._engines, self._drafters = {}, {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
@@ -112,6 +115,9 @@ class Workbench:
         if kind not in drafters.IMPLEMENTED:
             raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
                                 f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
+        if kind in drafters.HEADS and self.head is None:
+            raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair that ships one "
+                                "in the Models tab")
         if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
             raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
                                 "model in the Models tab, or start with --draft PATH")
@@ -132,7 +138,8 @@ class Workbench:
             self._engines[lane] = self._new_engine(lane)
         if choice.kind not in self._drafters:
             self._drafters[choice.kind] = drafters.build_drafter(
-                choice.kind, self.target, backend=self.backend, draft=self.draft)
+                choice.kind, self.target, backend=self.backend, draft=self.draft,
+                head=self.head)
         return Bound(self._engines[lane], self._drafters[choice.kind],
                      0 if choice.kind == "none" else k), choice
 

@@ -40,11 +40,19 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.HEADS and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
     backend = load_backend(args.backend)
+    draft_path = head_folder(draft_path, backend.name)
+    given_head = _head_kind(draft_path)
+    if given_head and drafter_kind in drafters.NEEDS_DRAFT_MODEL:
+        raise SpecdeckError(f"{draft_path} is an EAGLE head, not a draft model: use --drafter "
+                            f"{given_head}")
     target_path = str(pair[0]) if pair else args.target
     _refuse_corrupted_files(target_path, draft_path)
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
     notes: tuple[str, ...] = ()
-    if drafter_kind == "auto":
+    if drafter_kind == "auto" and given_head:
+        notes = (f"drafter: {given_head}, the head {draft_path} (given)",)
+        drafter_kind = given_head
+    elif drafter_kind == "auto":
         drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft)
         drafter_kind = drafters.RUN_AS.get(drafter_kind, drafter_kind)
     if args.k == 0:
@@ -74,6 +82,34 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
         return None
     return store.installed_paths(target, None if backend == "auto" else backend,
                                  need_draft=False)
+
+
+def _head_kind(path: str | None) -> str | None:
+    """The EAGLE kind of a head folder (config and safetensors header only), else None."""
+    if not path:
+        return None
+    from backends.torch.heads.eagle_format import head_kind
+    return head_kind(path)
+
+
+def head_folder(path: str | None, backend: str) -> str | None:
+    """A head (or model) given as a folder, or as a catalogue model id `specdeck pull`
+    installed."""
+    from pathlib import Path
+
+    from app import store
+    from app.catalogue import registry
+
+    models = registry.load_catalogue().models
+    if not path or Path(path).expanduser().exists() or path not in models:
+        return path
+    found = store.model_path(models[path], backend)
+    if found is None:
+        pairs = [p.id for p in registry.load_catalogue().pairs.values()
+                 if p.drafter is not None and p.drafter.id == path]
+        pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
+        raise SpecdeckError(f"{path} is not downloaded: {pull} fetches it")
+    return str(found)
 
 
 def _refuse_corrupted_files(*paths: str | None) -> None:

@@ -16,7 +16,7 @@ NEEDS = "specdeck does not run this drafter kind yet"
 LARGE = "too large to pay off: 49% of the target's parameters"
 
 # pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU, the kinds
-# implemented now (EAGLE comes with its own branch)
+# implemented now
 TODAY_CPU = {
     "qwen2.5-coder-1.5b+0.5b": ("draft qwen2.5-coder-0.5b-instruct-q4km", [],
                                 ["draft qwen2.5-0.5b-instruct", "ngram", "lookahead"]),
@@ -29,12 +29,11 @@ TODAY_CPU = {
                           ["draft qwen2.5-coder-0.5b-instruct-q4km", "ngram", "lookahead"]),
     "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("draft qwen3-4b", LARGE)],
                       ["draft qwen3-0.6b", "ngram", "lookahead"]),
-    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b",
-                      [("eagle3 eagle3-qwen3-4b", f"needs eagle3: {NEEDS}")],
-                      ["draft qwen3-0.6b", "ngram", "lookahead"]),
-    "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b",
-                           [("eagle3 eagle3-llama3.1-8b", f"needs eagle3: {NEEDS}")],
-                           ["draft llama3.2-1b-instruct", "ngram", "lookahead"]),
+    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [],
+                      ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "ngram", "lookahead"]),
+    "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
+                           ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
+                            "lookahead"]),
     "mimo-7b+mtp": ("mtp", [], ["ngram", "lookahead"]),
     "vicuna-7b+medusa": ("medusa medusa-vicuna-7b", [], ["ngram", "lookahead"]),
 }

@@ -20,9 +20,11 @@ from app.drafters.ngram import NgramDrafter, NoDrafter
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
 IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
-                         "medusa", "mtp", "dflash"})
+                         "medusa", "mtp", "dflash", "eagle3", "eagle"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
-HEADS = frozenset({"medusa", "dflash"})  # drafters whose --draft is a head folder, not a model
+# drafters whose --draft is a head folder, not a model
+HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle"})
+TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
@@ -42,6 +44,8 @@ def describe(kind: str) -> str:
             "medusa": "Medusa heads on the target's last hidden state (a static tree)",
             "mtp": "the target's own MTP layers (native multi-token prediction)",
             "dflash": "a DFlash block drafter on the target's hidden states",
+            "eagle3": "an EAGLE-3 head on the target's hidden states",
+            "eagle": "an EAGLE-1/2 head on the target's last hidden state",
             }.get(kind, kind)
 
 
@@ -49,7 +53,8 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
                   vocab_limit: int = 0, head: str | None = None, tree: bool = False) -> Drafter:
     """The drafter of this kind for target; SpecdeckError naming the fix when it cannot be.
 
-    head: the folder of a head drafter (kinds in HEADS); tree: draft trees where the kind can."""
+    head: the folder of a head drafter (kinds in HEADS); tree: draft trees where the kind can
+    (TREES: EAGLE-2 dynamic trees), verified by the tree verifier."""
     if kind not in KINDS:
         raise SpecdeckError(f"unknown drafter {kind!r}: use one of {', '.join(CHOICES)}")
     if kind not in IMPLEMENTED:

@@ -345,9 +345,17 @@ class TorchBackend:
         from app.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
+    def mtp_drafter(self, target: TorchModel) -> Any:
+        """The target's own MTP layers as its drafter (SpecdeckError when it has none)."""
+        from backends.torch.heads.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(target)
+
+
     def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
-        """A head drafter for the target from its folder: Medusa heads ("medusa") or a DFlash
-        block drafter ("dflash")."""
+        """A head drafter from its folder, checked against the target: an EAGLE-3 ("eagle3")
+        or EAGLE-1/2 ("eagle") head (tree=True drafts EAGLE-2 dynamic trees), Medusa heads
+        ("medusa") or a DFlash block drafter ("dflash")."""
         if kind == "dflash":
             from backends.torch.heads.dflash import load_dflash_drafter
 
@@ -356,13 +364,16 @@ class TorchBackend:
             from backends.torch.heads.medusa import load_medusa_drafter
 
             return load_medusa_drafter(target, path)
-        raise SpecdeckError(f"drafter {kind!r} has no head loader on torch")
+        from backends.torch.heads.eagle import load_eagle_head
+        from backends.torch.heads.eagle_drafter import EagleDrafter
 
-    def mtp_drafter(self, target: TorchModel) -> Any:
-        """The target's own MTP layers as its drafter (SpecdeckError when it has none)."""
-        from backends.torch.heads.mtp import load_mtp_drafter
-
-        return load_mtp_drafter(target)
+        config = target.hf.config.get_text_config()
+        head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
+                                     hidden_size=int(config.hidden_size),
+                                     vocab_size=int(config.vocab_size),
+                                     n_layers=target.n_layers, dtype=target.hf.dtype,
+                                     device=target.device)
+        return EagleDrafter(target, head, spec, tree=tree)
 
 
 class SubsetHead(torch.nn.Module):

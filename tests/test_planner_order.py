@@ -14,6 +14,8 @@ EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflas
 PLENTY = 10**12  # every drafter fits: the order alone decides
 NEEDS = "specdeck does not run this drafter kind yet"
 LARGE = "too large to pay off: 49% of the target's parameters"
+PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
+          "(safetensors only)")
 
 # pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU, the kinds
 # implemented now
@@ -35,7 +37,7 @@ TODAY_CPU = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
                             "lookahead"]),
     "mimo-7b+mtp": ("mtp", [], ["ngram", "lookahead"]),
-    "vicuna-7b+medusa": ("medusa medusa-vicuna-7b", [], ["ngram", "lookahead"]),
+    "vicuna-7b+medusa": ("ngram", [("medusa medusa-vicuna-7b", PICKLE)], ["lookahead"]),
 }
 # pairs with the same target plan the same: the plan is the target's, not the pair's
 TODAY_CPU["llama3.1-8b+eagle3"] = TODAY_CPU["llama3.1-8b+dflash"] = \
@@ -63,7 +65,7 @@ EVERY_KIND_CUDA = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
                             "lookahead", "ngram"]),
     "mimo-7b+mtp": ("mtp", [], ["lookahead", "ngram"]),
-    "vicuna-7b+medusa": ("medusa medusa-vicuna-7b", [], ["lookahead", "ngram"]),
+    "vicuna-7b+medusa": ("lookahead", [("medusa medusa-vicuna-7b", PICKLE)], ["ngram"]),
 }
 EVERY_KIND_CUDA["llama3.1-8b+eagle3"] = EVERY_KIND_CUDA["llama3.1-8b+dflash"] = \
     EVERY_KIND_CUDA["llama3.1-8b+3.2-1b"]
@@ -78,8 +80,6 @@ CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI
                   "its tree costs many verify rows per step"),
     "dflash": ("trained for this target: a block drafter shipped for the target: one forward "
                "drafts a whole block"),
-    "medusa": ("trained for this target: heads shipped for the target; each guesses one "
-               "position on its own"),
     "mtp": ("the target carries 1 native MTP layer(s): trained with the target and inside its "
             "weights: nothing to download"),
 }
@@ -109,7 +109,8 @@ def test_every_catalogue_pair_plans_as_the_table_says_with_every_kind_on_cuda(ca
 
 
 @pytest.mark.parametrize("pair_id", ["qwen3-8b+0.6b", "smollm2-135m+ngram", "mimo-7b+mtp",
-                                     "vicuna-7b+medusa", "qwen2.5-coder-1.5b+0.5b"])
+                                     "vicuna-7b+medusa", "qwen2.5-coder-1.5b+0.5b",
+                                     "qwen3-4b+eagle3"])
 def test_the_chosen_drafter_says_why_and_each_other_why_not(catalogue, pair_id):
     pair = catalogue.pairs[pair_id]
     plan = planner.plan(pair.target.id, "torch", "cuda", PLENTY, catalogue=catalogue,
@@ -153,7 +154,7 @@ def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path,
         f"drafter: ngram ({CHOICE_REASONS['ngram']})",
         f"not lookahead: ranked after ngram ({CHOICE_REASONS['lookahead']})"]
     text = store.models_table(rows, 4096, why=True)
-    assert "not medusa medusa-vicuna-7b: medusa-vicuna-7b is not downloaded" in text
+    assert f"not medusa medusa-vicuna-7b: {PICKLE}" in text
     bench = Workbench(backend="torch", device="cpu")
     table = catalogue_frame(bench)
     here = {r.pair.id: r.plan.choice.kind for r in store.list_pairs("torch", "cpu")}

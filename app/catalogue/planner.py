@@ -502,8 +502,12 @@ class _Context:
             share = option.model.params / self.info.params
             return f"too large to pay off: {share:.0%} of the target's parameters"
         if option.model is not None:
-            if not option.model.sources_for(self.backend):
+            sources = option.model.sources_for(self.backend)
+            if not sources:
                 return f"{option.model.id} has no {self.backend} source"
+            if all(s.format.startswith("pytorch") for s in sources):
+                return (f"{option.model.id} ships only a pickle checkpoint, which specdeck never "
+                        "loads (safetensors only)")
             if self.installed is not None and self.installed(option.model) is None:
                 pull = f"specdeck pull {option.pair_id}" if option.pair_id else "a pull"
                 return f"{option.model.id} is not downloaded (`{pull}` fetches it)"

@@ -88,8 +88,10 @@ class Workbench:
         self.unload()
         self.backend = backend
         target = backend.load(target_path, device=self.device, dtype=self.dtype)
-        head = draft_path if draft_path and _is_head(draft_path) else None
-        if head:  # a head is built by its drafter, never loaded as a model
+        # a head (given, or an EAGLE folder given as the draft) is built by its drafter, never
+        # loaded as a model
+        head = head or (draft_path if draft_path and _is_head(draft_path) else None)
+        if head:
             draft_path = None
         draft = (backend.load(draft_path, device=self.device, dtype=self.draft_dtype)
                  if draft_path else None)

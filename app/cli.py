@@ -188,6 +188,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.remote:
         return remoting.generate(args, text, params)
     loaded = load_engine(args)
+    if not args.json:  # --drafter auto: what the planner chose and why not the others
+        for note in loaded.notes:
+            print(f"[{note}]", file=sys.stderr)
     prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
                                system=args.system)
     done = _stream(loaded.engine, prompt_ids, params, echo=not args.json)
@@ -228,6 +231,7 @@ def result_json(done: Done, loaded: Any) -> dict[str, Any]:
         "stop_reason": done.stop_reason,
         **done.stats.to_dict(),
         "drafter": loaded.drafter_name,
+        "drafter_reasons": list(loaded.notes),  # --drafter auto: the planner's lines
         "k": engine.k,
         "backend": loaded.backend_name,
         "device": engine.target.device,

@@ -19,7 +19,7 @@ from app.core.types import SpecdeckError
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GB = 10**9
-ALL_KINDS = frozenset({"ngram", "draft", "eagle3", "dflash", "medusa", "mtp"})
+ALL_KINDS = frozenset({"ngram", "lookahead", "draft", "eagle3", "dflash", "medusa", "mtp"})
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +130,10 @@ def test_a_target_with_mtp_layers_drafts_with_them_when_mtp_is_implemented(tmp_p
     assert plan.fit.drafter_kv_per_token == 1 * 8 * 128 * 2 * 2
 
 
-def test_mtp_layers_are_refused_with_needs_mtp_until_it_is_implemented(tmp_path):
+def test_mtp_layers_are_refused_with_needs_mtp_where_it_is_not_implemented(tmp_path):
     plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
-                        "cuda", 80 * GB)
-    assert plan.choice.kind == "ngram"
+                        "cuda", 80 * GB, implemented=ALL_KINDS - {"mtp"})
+    assert plan.choice.kind == "lookahead"  # on CUDA the model-free tree comes before lookup
     assert [(o.kind, o.reason.split(":")[0]) for o in plan.refused] == [("mtp", "needs mtp")]
 
 
@@ -154,12 +154,23 @@ def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalog
     assert dflash.reason.startswith("does not fit") and "9.45 GB usable" in dflash.reason
 
 
+def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        implemented=frozenset({"ngram", "lookahead", "draft"}))
+    assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
+    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
+        {"dflash": "needs dflash", "eagle3": "needs eagle3"}
+    assert plan.reasons()[0] == ("drafter: draft qwen3-0.6b (the catalogue's draft model for "
+                                 "this target)")
+
+
 def test_an_eagle3_head_is_chosen_before_the_draft_model_and_dflash_needs_its_kind(catalogue):
-    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue)
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}))
     assert (plan.choice.kind, plan.choice.model.id) == ("eagle3", "eagle3-qwen3-4b")
     assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == {"dflash": "needs dflash"}
-    assert plan.reasons()[0] == ("drafter: eagle3 eagle3-qwen3-4b (a eagle3 head trained for "
-                                 "this target)")
+    assert plan.reasons()[0].startswith("drafter: eagle3 eagle3-qwen3-4b (trained for this "
+                                        "target: ")
 
 
 def test_a_head_not_downloaded_is_refused_and_the_draft_model_is_chosen(catalogue):
@@ -191,7 +202,7 @@ def test_with_nothing_to_draft_with_the_choice_is_ngram(catalogue):
 
 def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catalogue):
     plan = planner.plan("qwen3-8b", "torch", "cuda", 18 * GB, catalogue=catalogue)
-    assert plan.choice.kind == "ngram"
+    assert plan.choice.kind == "lookahead"
     draft = next(o for o in plan.refused if o.kind == "draft")
     assert draft.reason.startswith("the target alone does not fit")
     assert plan.reasons()[-1].startswith("warning: target does not fit: needs 16.99 GB")

@@ -221,7 +221,7 @@ def test_models_tab_lists_the_catalogue_with_status_and_the_planners_choice(page
     page.get_by_role("tab", name="Models").click()
     page.wait_for_selector("#models-table :text('smollm2-135m+ngram')")
     page.wait_for_selector("#models-details .sd-pair")
-    assert "needs eagle3" in page.inner_text("#models-table")
+    assert "auto picks" in page.inner_text("#models-table")
     assert "auto drafter for this target" in page.inner_text("#models-details")
     shot(page, "models")
     choose = page.locator("#models-pair input")

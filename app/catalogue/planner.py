@@ -1,7 +1,8 @@
 """Choose the drafter for a target, and size what fits in memory (servable context, streams).
 
-Knows: the preference order (the target's own MTP layers, then a published head such as
-DFlash, EAGLE-3 or Medusa, then a same-family draft model, then n-gram), weights and KV-cache
+Knows: the preference order (`PREFERENCE`: the target's own MTP layers, then a drafter
+shipped for it: DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft model, then the
+drafters that need no model: lookup or lookahead by device), weights and KV-cache
 arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
 and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
 Metal working set). Must not know: downloads, array libraries (app/ never imports torch).
@@ -15,7 +16,8 @@ API:
     pair_fit(pair, backend, device, memory, context) -> Fit
     plan(target, backend, device, memory, context, catalogue, implemented, installed) -> Plan
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
-        Plan.reasons() as lines for a terminal or the UI.
+        Plan.passed (usable, but ranked after the choice), Plan.reasons() as lines for a
+        terminal or the UI.
 Memory figures leave RESERVE of the memory free for activations, verify buffers and the
 runtime itself. torch holds weights and KV cache in fp32 on a CPU and bf16 on CUDA (a GGUF is
 dequantized on load); MLX keeps a 4-bit checkpoint 4-bit and its KV cache in fp16.
@@ -48,8 +50,19 @@ from app.core.types import SpecdeckError
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
 MAX_DRAFT_RATIO = 1 / 3  # a draft model larger than this share of the target rarely pays off
-# DFlash drafts longer blocks; EAGLE-3 is lighter; EAGLE-1/2 reads one state, so it comes after
-HEAD_KINDS = ("dflash", "eagle3", "eagle", "medusa")
+# the order drafters are tried in, best first, and why each stands where it does
+PREFERENCE = (
+    ("mtp", "trained with the target and inside its weights: nothing to download"),
+    ("dflash", "a block drafter shipped for the target: one forward drafts a whole block"),
+    ("eagle3", "a head shipped for the target, reading three of its layers"),
+    ("eagle", "a head shipped for the target, reading its last layer"),
+    ("medusa", "heads shipped for the target; each guesses one position on its own"),
+    ("draft", "a separate small model: its own weights and KV cache, no training for the target"),
+    ("lookahead", "its tree costs many verify rows per step"),
+    ("ngram", "needs no model; drafts only text that repeats"),
+)
+HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
+MODEL_FREE = frozenset({"lookahead", "ngram"})
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -131,10 +144,13 @@ class Plan:
     choice: Option
     fit: Fit
     refused: tuple[Option, ...] = field(default=())
+    passed: tuple[Option, ...] = field(default=())  # usable, ranked after the choice
 
     def reasons(self) -> list[str]:
         lines = [f"drafter: {self.choice.label} ({self.choice.reason})"]
         lines += [f"not {o.label}: {o.reason}" for o in self.refused]
+        lines += [f"not {o.label}: ranked after {self.choice.kind} ({o.reason})"
+                  for o in self.passed]
         if not self.fit.target_fits:
             lines.append(f"warning: {self.fit.summary()}")
         return lines
@@ -145,7 +161,8 @@ class Plan:
                     "pair": o.pair_id, "reason": o.reason, "k": o.k,
                     "path": str(o.path) if o.path else None}
         return {"target": self.target.label, "choice": option(self.choice),
-                "refused": [option(o) for o in self.refused], "fit": self.fit.to_dict()}
+                "refused": [option(o) for o in self.refused],
+                "passed": [option(o) for o in self.passed], "fit": self.fit.to_dict()}
 
 
 # ---- memory ----------------------------------------------------------------------------
@@ -401,8 +418,8 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
          memory: int | None = None, context: int = 4096, catalogue: Catalogue | None = None,
          implemented: frozenset[str] = IMPLEMENTED_KINDS,
          installed: Installed | None = None) -> Plan:
-    """The drafter for a target: MTP layers, a published head, a same-family draft model or
-    n-gram, first that is implemented, available and fits; with every refusal's reason.
+    """The drafter for a target: the first in `preference` order that is implemented,
+    available and fits; every other candidate is refused or passed over, with its reason.
 
     installed: when given, the local path of a drafter model or None when it is not
     downloaded (a drafter that is not downloaded is refused, never fetched silently).
@@ -414,18 +431,40 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     memory = available_memory(backend, device) if memory is None else memory
     ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
     refused: list[Option] = []
-    for candidate in _candidates(info, catalogue):
+    usable: list[Option] = []
+    for candidate in ordered(_candidates(info, catalogue), backend, device):
         problem = ctx.problem(candidate)
         if problem:
             refused.append(Option(candidate.kind, problem, candidate.model, candidate.pair_id,
                                   k=candidate.k))
             continue
         path = installed(candidate.model) if installed and candidate.model else None
-        chosen = Option(candidate.kind, candidate.reason, candidate.model, candidate.pair_id,
-                        path, candidate.k)
-        return Plan(info, chosen, ctx.fit(candidate), tuple(refused))
-    ngram = Option("ngram", "needs no model or memory: drafts repeats of the prompt and output")
-    return Plan(info, ngram, ctx.fit(ngram), tuple(refused))
+        usable.append(Option(candidate.kind, candidate.reason, candidate.model,
+                             candidate.pair_id, path, candidate.k))
+    if not usable:  # only when a caller's `implemented` leaves out every model-free kind
+        usable.append(Option("none", "no implemented drafter applies: plain decoding"))
+    choice, *passed = usable
+    return Plan(info, choice, ctx.fit(choice), tuple(refused), tuple(passed))
+
+
+def preference(backend: str, device: str) -> tuple[str, ...]:
+    """Drafter kinds, best first, on this backend and device.
+
+    The model-free pair swaps off CUDA: on a CPU or an Apple GPU a verify row costs about as
+    much as a decoded token, so lookahead's wide tree loses to lookup (measured in
+    docs/ARCHITECTURE.md, bench rows), while a GPU verifies the rows nearly for free.
+    """
+    kinds = [kind for kind, _ in PREFERENCE]
+    if backend == "mlx" or not device.startswith("cuda"):
+        i, j = kinds.index("lookahead"), kinds.index("ngram")
+        kinds[i], kinds[j] = kinds[j], kinds[i]
+    return tuple(kinds)
+
+
+def ordered(options: list[Option], backend: str, device: str) -> list[Option]:
+    """Options in preference order; a kind's own options keep their order (pair first)."""
+    rank = {kind: i for i, kind in enumerate(preference(backend, device))}
+    return sorted(options, key=lambda o: rank.get(o.kind, len(rank)))
 
 
 @dataclass(frozen=True)
@@ -459,12 +498,21 @@ class _Context:
         """Why this drafter cannot be used here, or '' when it can."""
         if option.kind not in self.implemented:
             return f"needs {option.kind}: specdeck does not run this drafter kind yet"
+        if option.kind in MODEL_FREE:
+            if option.kind == "lookahead" and self.backend == "mlx":
+                return ("mlx verifies chains only: lookahead's tree would shrink to its first "
+                        "chain")
+            return ""  # no weights, no KV cache of its own: it fits wherever the target does
         if option.kind == "draft" and option.model.params > self.info.params * MAX_DRAFT_RATIO:
             share = option.model.params / self.info.params
             return f"too large to pay off: {share:.0%} of the target's parameters"
         if option.model is not None:
-            if not option.model.sources_for(self.backend):
+            sources = option.model.sources_for(self.backend)
+            if not sources:
                 return f"{option.model.id} has no {self.backend} source"
+            if all(s.format.startswith("pytorch") for s in sources):
+                return (f"{option.model.id} ships only a pickle checkpoint, which specdeck never "
+                        "loads (safetensors only)")
             if self.installed is not None and self.installed(option.model) is None:
                 pull = f"specdeck pull {option.pair_id}" if option.pair_id else "a pull"
                 return f"{option.model.id} is not downloaded (`{pull}` fetches it)"
@@ -479,18 +527,19 @@ class _Context:
 
 
 def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
-    """Every drafter worth considering, in preference order, each with its case."""
+    """Every drafter worth considering for this target, each with its case (`ordered` ranks
+    them)."""
+    why = dict(PREFERENCE)
     found: list[Option] = []
     if info.arch.mtp_layers > 0:
         found.append(Option("mtp", f"the target carries {info.arch.mtp_layers} native MTP "
-                            "layer(s): no extra weights", k=info.arch.mtp_layers))
+                            f"layer(s): {why['mtp']}", k=info.arch.mtp_layers))
     pairs = [p for p in catalogue.pairs.values()
              if info.model is not None and p.target.id == info.model.id]
-    for kind in HEAD_KINDS:
-        for p in pairs:
-            if p.drafter_kind == kind:
-                found.append(Option(kind, f"a {kind} head trained for this target",
-                                    p.drafter, p.id, k=p.k))
+    for p in pairs:
+        if p.drafter_kind in HEAD_KINDS:
+            found.append(Option(p.drafter_kind, f"trained for this target: {why[p.drafter_kind]}",
+                                p.drafter, p.id, k=p.k))
     seen: set[str] = set()
     for p in pairs:
         if p.drafter_kind == "draft":
@@ -501,6 +550,10 @@ def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
         for model in catalogue.draft_models_for(info.model):
             if model.id not in seen:
                 found.append(_family_draft(model, info, catalogue))
+    found.append(Option("lookahead", "needs no model: Jacobi iteration drafts n-grams the "
+                        f"target itself proposes; {why['lookahead']}"))
+    found.append(Option("ngram", "needs no model or memory: drafts repeats of the prompt and "
+                        "output"))
     return found
 
 

@@ -1,9 +1,9 @@
 """Drafters that need no array library of their own, and the one factory every surface uses.
 
 Knows: every drafter kind specdeck names (the catalogue's, the CLI's, the server's, the UI's),
-which of them can be built, and how: prompt lookup (chain or tree), the draft model through
-the backend, and their chain. Must not know: array libraries (a backend builds the model
-drafters it owns), surfaces.
+which of them can be built, and how: prompt lookup (chain or tree), lookahead decoding, the
+draft model through the backend, and their chain. Must not know: array libraries (a backend
+builds the model drafters it owns), surfaces.
 """
 
 from __future__ import annotations
@@ -13,14 +13,17 @@ from typing import Any
 from app.core.protocols import Drafter
 from app.core.types import SpecdeckError
 from app.drafters.chain import ChainDrafter
+from app.drafters.lookahead import LookaheadDrafter
 from app.drafters.ngram import NgramDrafter, NoDrafter
 
 # every kind, in the order menus list them; heads come with their issues
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
-IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle"})
+IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
+                         "medusa", "mtp", "dflash", "eagle3", "eagle"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
-HEADS = frozenset({"eagle3", "eagle"})  # drafters whose --draft is a head folder, not a model
+# drafters whose --draft is a head folder, not a model
+HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle"})
 TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
@@ -37,6 +40,10 @@ def describe(kind: str) -> str:
     return {"none": "plain decoding", "ngram": "prompt lookup (n-gram)",
             "ngram-tree": "prompt lookup with branches (a tree)",
             "draft": "a small draft model", "chain": "prompt lookup, then the draft model",
+            "lookahead": "lookahead decoding (Jacobi window and n-gram pool, a tree)",
+            "medusa": "Medusa heads on the target's last hidden state (a static tree)",
+            "mtp": "the target's own MTP layers (native multi-token prediction)",
+            "dflash": "a DFlash block drafter on the target's hidden states",
             "eagle3": "an EAGLE-3 head on the target's hidden states",
             "eagle": "an EAGLE-1/2 head on the target's last hidden state",
             }.get(kind, kind)
@@ -55,12 +62,24 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
                             f"{', '.join(CHOICES)}")
     if kind == "none":
         return NoDrafter()
+    capabilities = getattr(target, "capabilities", None)
+    if capabilities is not None and not capabilities.rewind:
+        # a rejected draft would stay in a recurrent state: refuse rather than decode wrongly
+        raise SpecdeckError(f"{getattr(target, 'name', 'this target')} cannot speculate: "
+                            f"{capabilities.reason}; use --drafter none")
     if kind == "ngram":
         return NgramDrafter()
     if kind == "ngram-tree":
         return NgramDrafter(tree=True, max_nodes=TREE_NODES)
+    if kind == "lookahead":
+        return LookaheadDrafter()
     if kind in HEADS:
         return _head_drafter(kind, target, backend, head, tree)
+    if kind == "mtp":
+        if backend is None or not hasattr(backend, "mtp_drafter"):
+            name = getattr(backend, "name", "this backend")
+            raise SpecdeckError(f"drafter 'mtp' is not on {name} yet: use --backend torch")
+        return backend.mtp_drafter(target)
     if draft is None or backend is None:
         raise SpecdeckError(f"drafter {kind!r} needs a draft model: give --draft PATH (a small "
                             "model of the target's family) or pull a pair that has one")
@@ -76,7 +95,7 @@ def _head_drafter(kind: str, target: Any, backend: Any, head: str | None, tree: 
                   ) -> Drafter:
     if not head:
         raise SpecdeckError(f"drafter {kind!r} needs its head: give --draft HEAD_DIR (the folder "
-                            "with the head's config.json and model.safetensors)")
+                            "with the head's config.json and safetensors)")
     if backend is None or not hasattr(backend, "head_drafter"):
         name = getattr(backend, "name", "this backend")
         raise SpecdeckError(f"drafter {kind!r} is not on {name} yet: use --backend torch")

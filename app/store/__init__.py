@@ -101,6 +101,7 @@ class PairStatus:
     download_exact: bool
     disk_bytes: int
     fit: planner.Fit | None = field(default=None)
+    plan: planner.Plan | None = field(default=None)  # what --drafter auto runs for its target
 
     def to_dict(self) -> dict[str, Any]:
         p = self.pair
@@ -110,7 +111,17 @@ class PairStatus:
                 "backend": self.backend, "installed": self.installed, "note": self.note,
                 "download_bytes": self.download_bytes, "download_exact": self.download_exact,
                 "disk_bytes": self.disk_bytes,
-                "fit": self.fit.to_dict() if self.fit else None}
+                "fit": self.fit.to_dict() if self.fit else None,
+                "auto": _plan_dict(self.plan)}
+
+
+def _plan_dict(plan: planner.Plan | None) -> dict[str, Any] | None:
+    """The planner's choice for the pair's target with every other drafter's reason."""
+    if plan is None:
+        return None
+    full = plan.to_dict()
+    return {"choice": full["choice"], "refused": full["refused"], "passed": full["passed"],
+            "reasons": plan.reasons()}
 
 
 # ---- what is installed -----------------------------------------------------------------
@@ -200,12 +211,14 @@ def list_pairs(backend: str | None = None, device: str = "auto", memory: int | N
         note = pair.status_note or ("" if runs else f"not for {backend}")
         sizes = [_download_bytes(m, backend) for m in pair.models] if runs else [(0, False)]
         fit = planner.pair_fit(pair, backend, device, memory, context) if runs else None
+        plan = planner.plan(pair.target.id, backend, device, memory, context, catalogue,
+                            installed=lambda m: model_path(m, backend)) if runs else None
         rows.append(PairStatus(pair=pair, backend=backend,
                                installed=runs and is_installed(pair, backend), note=note,
                                download_bytes=sum(s for s, _ in sizes),
                                download_exact=all(e for _, e in sizes),
                                disk_bytes=sum(disk_bytes(m, backend) for m in pair.models),
-                               fit=fit))
+                               fit=fit, plan=plan))
     return rows
 
 
@@ -472,6 +485,8 @@ def add_subcommand(sub: Any) -> None:
     m.add_argument("--context", type=int, default=4096,
                    help="tokens per stream for the streams column")
     m.add_argument("--catalogue", help="another models.yaml (default: the shipped one)")
+    m.add_argument("--why", action="store_true",
+                   help="under each pair, why --drafter auto picks its drafter and not the others")
     m.set_defaults(handler=_models_command)
 
 
@@ -512,25 +527,29 @@ def _models_command(args: Any) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))
         return 0
-    print(models_table(rows, args.context))
+    print(models_table(rows, args.context, why=args.why))
     return 0
 
 
-def models_table(rows: list[PairStatus], context: int) -> str:
-    """The `specdeck models` text table (also what the UI can show verbatim)."""
+def models_table(rows: list[PairStatus], context: int, why: bool = False) -> str:
+    """The `specdeck models` text table (also what the UI can show verbatim); AUTO is what
+    --drafter auto runs with what is downloaded now; why: the planner's reasons under each."""
     if not rows:
         return "the catalogue lists no pairs"
     fit = next((r.fit for r in rows if r.fit), None)
     head = (f"backend {rows[0].backend}" + (f", {fit.device} {fit.dtype}, memory "
             f"{human_bytes(fit.available_bytes)} free" if fit else ""))
-    lines = [head, f"{'PAIR':26} {'STATUS':15} {'DRAFTER':7} {'K':>2} {'BACKENDS':10} "
+    lines = [head, f"{'PAIR':26} {'STATUS':15} {'DRAFTER':7} {'AUTO':9} {'K':>2} {'BACKENDS':10} "
              f"{'DOWNLOAD':>10} {'ON DISK':>9}  FIT: max context plain/spec, "
              f"streams of {context} plain/spec"]
     for r in rows:
         status = "installed" if r.installed else (r.note or "not installed")
         size = ("" if r.download_exact else "~") + human_bytes(r.download_bytes)
         disk = human_bytes(r.disk_bytes) if r.disk_bytes else "-"
-        lines.append(f"{r.pair.id:26} {status:15} {r.pair.drafter_kind:7} {r.pair.k:>2} "
-                     f"{','.join(r.pair.backends):10} {size:>10} {disk:>9}  "
+        auto = r.plan.choice.kind if r.plan else "-"
+        lines.append(f"{r.pair.id:26} {status:15} {r.pair.drafter_kind:7} {auto:9} "
+                     f"{r.pair.k:>2} {','.join(r.pair.backends):10} {size:>10} {disk:>9}  "
                      f"{r.fit.summary() if r.fit else '-'}")
+        if why and r.plan:
+            lines += [f"    {line}" for line in r.plan.reasons()]
     return "\n".join(lines)

@@ -18,12 +18,13 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from app import drafters
 from app.core.types import SpecdeckError
 from app.ui.chat import notice
 from app.ui.render import human_bytes
 from app.ui.workbench import Choice, Workbench
 
-COLUMNS = ("pair", "drafter", "k", "status", "download", "on disk", "backends",
+COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "backends",
            "context plain / spec", "streams plain / spec")
 FIT_CONTEXT = 4096  # the per-stream context the stream counts assume
 
@@ -60,8 +61,9 @@ def load_pair(bench: Workbench, pair_id: str,
     drafter = f" {pair.drafter.id}" if pair.drafter else ""
     auto = Choice(pair.drafter_kind, f"auto: the pair's drafter, {pair.drafter_kind}{drafter} "
                                      "(models.yaml)")
-    bench.load(str(target), str(draft) if draft else None, label=pair.name, pair_id=pair.id,
-               auto_kind=auto, progress=progress)
+    head = str(draft) if draft and pair.drafter_kind in drafters.HEADS else None
+    bench.load(str(target), None if head or not draft else str(draft), label=pair.name,
+               pair_id=pair.id, head=head, auto_kind=auto, progress=progress)
     recent.remember_pair(pair.id)
     if pair.k and bench.default_k != "auto":  # auto, the app's default, picks k per step
         bench.default_k = pair.k
@@ -87,7 +89,8 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
         else:
             context = f"{fit.max_context_plain} / {fit.max_context_spec}"
             streams = f"{fit.streams_plain} / {fit.streams_spec}"
-        rows.append((p.id, drafter, str(p.k), status, size,
+        auto = r.plan.choice.kind if r.plan else "—"  # the card says why
+        rows.append((p.id, drafter, auto, str(p.k), status, size,
                      human_bytes(r.disk_bytes) if r.disk_bytes else "—",
                      ", ".join(p.backends), context, streams))
     return pd.DataFrame(rows, columns=list(COLUMNS))

@@ -48,7 +48,7 @@ class Workbench:
         self.backend: Any = None  # the backend that loaded the models (bench builds drafters)
         self.target: Any = None
         self.draft: Any = None
-        self.head: str | None = None  # an EAGLE head's folder, built by the backend per kind
+        self.head: str | None = None  # a head drafter's folder (EAGLE, DFlash, Medusa)
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
@@ -80,6 +80,7 @@ class Workbench:
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
              pair_id: str | None = None, auto_kind: Choice | None = None,
+             head: str | None = None,
              progress: Callable[[str], None] = lambda _stage: None) -> None:
         """Load models through the backend; the caller holds `busy` (no generation runs).
         progress(stage) hears each stage, for a page that shows the load as it goes."""
@@ -93,8 +94,10 @@ class Workbench:
         self.backend = backend
         progress(f"loading the target {os.path.basename(target_path.rstrip('/'))}")
         target = backend.load(target_path, device=self.device, dtype=self.dtype)
-        head = draft_path if draft_path and _is_head(draft_path) else None
-        if head:  # a head is built by its drafter, never loaded as a model
+        # a head (given, or an EAGLE folder given as the draft) is built by its drafter, never
+        # loaded as a model
+        head = head or (draft_path if draft_path and _is_head(draft_path) else None)
+        if head:
             draft_path = None
         if draft_path:
             progress(f"loading the draft model {os.path.basename(draft_path.rstrip('/'))}")
@@ -133,8 +136,8 @@ class Workbench:
             raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
                                 f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
         if kind in drafters.HEADS and self.head is None:
-            raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair with an EAGLE "
-                                f"head in the Models tab, or start with --draft HEAD_DIR")
+            raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair that ships one "
+                                "in the Models tab, or start with --draft HEAD_DIR")
         if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
             raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
                                 "model in the Models tab, or start with --draft PATH")

@@ -251,6 +251,7 @@ class TorchModel:
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
         self.row_block = MAX_VERIFY_ROWS  # verify rows per forward; set by check_exactness
         self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
+        self.source: Path | None = None  # the folder it was loaded from, when it was
 
     def check_exactness(self) -> None:
         """On CPU, find the verify block size that keeps each row's bits (exactness.py).
@@ -324,6 +325,7 @@ class TorchBackend:
         if dtype in QUANTIZED:
             quantize_linears(hf, dtype)
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
+        model.source = Path(folder)  # MTP layers are read from the checkpoint's own files
         if dtype in QUANTIZED:
             model.dtype = dtype
             model.min_rows = 1  # their matmuls give a row the same bits for any row count
@@ -335,10 +337,25 @@ class TorchBackend:
         from app.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
+    def mtp_drafter(self, target: TorchModel) -> Any:
+        """The target's own MTP layers as its drafter (SpecdeckError when it has none)."""
+        from backends.torch.heads.mtp import load_mtp_drafter
+
+        return load_mtp_drafter(target)
+
 
     def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
-        """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head from its folder, checked against
-        the target; tree=True drafts EAGLE-2 dynamic trees."""
+        """A head drafter from its folder, checked against the target: an EAGLE-3 ("eagle3")
+        or EAGLE-1/2 ("eagle") head (tree=True drafts EAGLE-2 dynamic trees), Medusa heads
+        ("medusa") or a DFlash block drafter ("dflash")."""
+        if kind == "dflash":
+            from backends.torch.heads.dflash import load_dflash_drafter
+
+            return load_dflash_drafter(target, path)
+        if kind == "medusa":
+            from backends.torch.heads.medusa import load_medusa_drafter
+
+            return load_medusa_drafter(target, path)
         from backends.torch.heads.eagle import load_eagle_head
         from backends.torch.heads.eagle_drafter import EagleDrafter
 

@@ -1,0 +1,238 @@
+"""DFlash block drafters (z-lab, arXiv 2602.06036): one forward drafts a whole block.
+
+Knows: the z-lab checkpoint (a Qwen3 config with `block_size`, `dflash_config.{mask_token_id,
+target_layer_ids}`, tensors `layers.{i}.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+mlp.*, input_layernorm, post_attention_layernorm}`, `fc`, `hidden_norm`, `norm`; no embedding
+and no output layer: the target's are used), the forward and its own context cache (HEADS.md
+§3). Must not know: surfaces, the engine's loop.
+
+`target_layer_ids` name layer OUTPUTS (HF hidden_states[id + 1]); the torch session's capture
+hooks return each layer's output, so the ids are captured as they are. The target features of
+committed tokens, fused by `hidden_norm(fc(cat(...)))`, enter every draft layer only as keys
+and values (the same k/v projections as the block); the block [pending, mask, ..., mask] of
+k + 1 rows attends to all of them and to itself without a causal mask, and its rows 1..k,
+through the target's output layer, are the k drafts (argmax: q one-hot, lossless when sampled).
+The cache then keeps the context keys only. k is capped by the block size minus one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict
+
+
+def default_layer_ids(n_target: int, n_draft: int) -> list[int]:
+    """z-lab's rule when a checkpoint names no target layers: spread from 1 to N - 3."""
+    if n_draft == 1:
+        return [n_target // 2]
+    return [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)]
+
+
+class DFlashLayer(torch.nn.Module):
+    """A Qwen3 decoder layer whose keys and values also cover the injected context."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        hidden, heads, kv = config.hidden_size, config.num_attention_heads, \
+            config.num_key_value_heads
+        self.head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.heads, self.kv_heads = heads, kv
+        self.q_proj = torch.nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = torch.nn.Linear(hidden, kv * self.head_dim, bias=bias)
+        self.v_proj = torch.nn.Linear(hidden, kv * self.head_dim, bias=bias)
+        self.o_proj = torch.nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, H] block rows, ctx [C, H] new context rows; cos/sin over C + B positions.
+        Returns the block's output and the keys/values of past + context + block."""
+        rows = x.shape[0]
+        h = self.input_layernorm(x)
+        q = self.q_norm(self.q_proj(h).view(rows, self.heads, self.head_dim)).transpose(0, 1)
+        both = torch.cat([ctx, h])
+        k = self.k_norm(self.k_proj(both).view(len(both), self.kv_heads, self.head_dim))
+        v = self.v_proj(both).view(len(both), self.kv_heads, self.head_dim).transpose(0, 1)
+        k = k.transpose(0, 1)
+        q = q * cos[-rows:] + rotate_half(q) * sin[-rows:]
+        k = k * cos + rotate_half(k) * sin
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        group = self.heads // self.kv_heads
+        attn = F.scaled_dot_product_attention(  # no mask: the block sees everything
+            q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None],
+            scale=self.head_dim ** -0.5)[0]
+        x = x + self.o_proj(attn.transpose(0, 1).reshape(rows, -1))
+        return x + self.mlp(self.post_attention_layernorm(x)), (k, v)
+
+
+class DFlashModel(torch.nn.Module):
+    """The drafter's own layers: feature fusion, draft layers, final norm."""
+
+    def __init__(self, config: Qwen3Config, n_features: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(DFlashLayer(config)
+                                          for _ in range(config.num_hidden_layers))
+        self.fc = torch.nn.Linear(n_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(config)
+
+    def forward(self, features: torch.Tensor, block: torch.Tensor, first_position: int,
+                cache: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """features [C, n*H] of the context rows not yet cached, block [B, H] embeddings;
+        positions run from first_position over context then block."""
+        ctx = self.hidden_norm(self.fc(features))
+        positions = torch.arange(first_position, first_position + len(ctx) + len(block),
+                                 device=block.device)[None]
+        cos, sin = (t[0] for t in self.rotary(block[None], positions))  # [P, d], per head
+        x, new = block, []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, ctx, cos, sin, cache[i] if cache else None)
+            new.append(kv)
+        return self.norm(x), new
+
+
+class DFlashDrafter:
+    """Drafts up to block_size - 1 tokens per step from the context features it has read."""
+
+    name = "dflash"
+
+    def __init__(self, target: Any, model: DFlashModel, layer_ids: Sequence[int],
+                 block_size: int, mask_token_id: int, embed_scale: float = 1.0) -> None:
+        self.target, self.model = target, model
+        self.capture_layers = tuple(layer_ids)  # layer outputs: hidden_states[id + 1] in HF
+        self.block_size, self.mask_token_id, self.embed_scale = block_size, mask_token_id, \
+            embed_scale
+        self.embed = target.hf.get_input_embeddings()
+        self.lm_head = target.hf.get_output_embeddings()
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cached = 0  # context positions the cache holds
+        self._pending: list[torch.Tensor] = []  # features of committed rows not yet cached
+
+    def begin(self, prompt_ids: Sequence[int], first_output: Any, params: SamplingParams,
+              rng: Any) -> None:
+        self._cache, self._pending = [], []
+        rows = self._features(first_output, None)
+        # a reused prompt prefix is not re-read: the context starts after it
+        self._cached = len(prompt_ids) - (0 if rows is None else rows.shape[0])
+        if rows is not None:
+            self._pending.append(rows)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        k = min(k, self.block_size - 1)
+        if k < 1 or not self._pending:
+            return Draft()
+        features = torch.cat(self._pending)
+        ids = torch.tensor([int(context[-1]), *[self.mask_token_id] * k],
+                           device=self.embed.weight.device)
+        with torch.inference_mode():
+            block = self.embed(ids) * self.embed_scale
+            out, kv = self.model(features.to(block.dtype), block, self._cached, self._cache)
+            tokens = self.lm_head(out[1:]).argmax(-1).tolist()
+        self._cached += len(features)
+        self._cache = [(key[:, :self._cached], value[:, :self._cached]) for key, value in kv]
+        self._pending = []
+        return Draft(tokens=tuple(int(t) for t in tokens), source=self.name)
+
+    def accept(self, verdict: Verdict, verified: Any) -> None:
+        # the pending token's row and the accepted drafts' rows join the context
+        rows = self._features(verified, [0, *(i + 1 for i in verdict.path)])
+        if rows is not None:
+            self._pending.append(rows)
+
+    def _features(self, output: Any, rows: list[int] | None) -> torch.Tensor | None:
+        states = output.hidden_states
+        if any(i not in states for i in self.capture_layers):
+            return None
+        parts = [states[i] if rows is None else states[i][rows] for i in self.capture_layers]
+        return torch.cat(parts, dim=-1)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
+    """A z-lab DFlash drafter folder, checked against the target."""
+    from safetensors.torch import load_file
+
+    folder = Path(path).expanduser()
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SpecdeckError(f"cannot read {folder / 'config.json'}: {error}. Give a DFlash "
+                            "drafter folder (config.json and model.safetensors)") from error
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise SpecdeckError(f"{folder} is a DFlash 2 drafter (convolutions and a path "
+                            "selector), which specdeck does not run yet: use a DFlash 1 drafter")
+    extra = raw.get("dflash_config") or {}
+
+    def value(key: str, default: Any = None) -> Any:
+        return extra.get(key, raw.get(key, default))
+
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or value("causal") or raw.get("is_causal"):
+        raise SpecdeckError(f"{folder}: causal or sliding-window DFlash layers are not supported "
+                            "yet; use a drafter with full attention layers")
+    n_target = int(raw.get("num_target_layers") or target.n_layers)
+    layer_ids = list(value("target_layer_ids") or default_layer_ids(
+        n_target, config.num_hidden_layers))
+    mask = value("mask_token_id")
+    _check(folder, target, config, layer_ids, mask)
+    model = DFlashModel(config, len(layer_ids))
+    files = sorted(folder.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    renamed = {_our_name(k): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected or not files:
+        raise SpecdeckError(f"{folder} is not a DFlash drafter in the z-lab layout (missing "
+                            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    model = model.to(device=target.device, dtype=target.hf.dtype).eval()
+    return DFlashDrafter(target, model, layer_ids, int(value("block_size", 16)), int(mask),
+                         float(value("input_embedding_scale", 1.0)))
+
+
+def _our_name(key: str) -> str:
+    """z-lab names -> this module's: attention projections sit beside the MLP here."""
+    return key.replace(".self_attn.", ".")
+
+
+def _check(folder: Path, target: Any, config: Qwen3Config, layer_ids: list[int],
+           mask: Any) -> None:
+    hidden = int(target.hf.config.get_text_config().hidden_size)
+    if config.hidden_size != hidden:
+        raise SpecdeckError(f"{folder}: this DFlash drafter has hidden size "
+                            f"{config.hidden_size}, the target {hidden}: it was trained for "
+                            "another target")
+    if mask is None or not 0 <= int(mask) < target.vocab_size:
+        raise SpecdeckError(f"{folder}: dflash_config.mask_token_id {mask!r} is not a token of "
+                            f"the target (vocabulary {target.vocab_size})")
+    bad = [i for i in layer_ids if not 0 <= i < target.n_layers]
+    if bad:
+        raise SpecdeckError(f"{folder}: target_layer_ids {bad} are outside the target's "
+                            f"{target.n_layers} layers: it was trained for another target")

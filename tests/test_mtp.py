@@ -1,0 +1,212 @@
+"""Native MTP layers: tiny random targets written with the published names (GLM-4.5 /
+DeepSeek-V3 `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head}` with per-expert MoE names,
+MiMo `model.mtp_layers.0.*` on Qwen2) are detected at load and drafted with; speculative output
+equals plain decoding (greedy oracle at k 1, 2, 4, 7; sampled output keeps the target's law);
+a target with recurrent layers is refused with that reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+from scipy import stats  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from app.catalogue import planner  # noqa: E402
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.sampling import warp  # noqa: E402
+from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
+from app.drafters import build_drafter  # noqa: E402
+from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
+from backends.torch.heads.mtp import detect_mtp, load_mtp_drafter, read_layout  # noqa: E402
+from tests.conftest import tiny_tokenizer  # noqa: E402
+
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
+HIDDEN = 32
+
+
+def glm_folder(root: Path, vocab: int = 48, seed: int = 0) -> Path:
+    """A GLM-4.5-style target of 2 layers whose checkpoint also holds layer 2: the MTP layer
+    (an MoE decoder layer, saved by transformers under the per-expert names), plus its enorm,
+    hnorm, eh_proj and shared_head tensors, and num_nextn_predict_layers in the config."""
+    torch.manual_seed(seed)
+    config = Glm4MoeConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64,
+                           moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
+    model = Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    folder = root / f"glm-{vocab}"
+    model.save_pretrained(folder)
+    tiny_tokenizer(vocab).save_pretrained(folder)
+    extra = {"model.layers.2.enorm.weight": 1 + 0.1 * torch.randn(HIDDEN),
+             "model.layers.2.hnorm.weight": 1 + 0.1 * torch.randn(HIDDEN),
+             "model.layers.2.eh_proj.weight": 0.2 * torch.randn(HIDDEN, 2 * HIDDEN),
+             "model.layers.2.shared_head.norm.weight": 1 + 0.1 * torch.randn(HIDDEN)}
+    save_file(extra, str(folder / "mtp.safetensors"))
+    _edit_config(folder, num_hidden_layers=2, num_nextn_predict_layers=1)
+    return folder
+
+
+def mimo_folder(root: Path) -> Path:
+    """A MiMo-style target: Qwen2 layers, the MTP layer under model.mtp_layers.0 with its
+    token_layernorm, hidden_layernorm, input_proj and final_layernorm."""
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=48, hidden_size=HIDDEN, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    folder = root / "mimo"
+    model.save_pretrained(folder)
+    tiny_tokenizer(48).save_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    renamed = {k.replace("model.layers.2.", "model.mtp_layers.0."): v for k, v in state.items()}
+    renamed.update({"model.mtp_layers.0.token_layernorm.weight": torch.ones(HIDDEN),
+                    "model.mtp_layers.0.hidden_layernorm.weight": torch.ones(HIDDEN),
+                    "model.mtp_layers.0.input_proj.weight": 0.2 * torch.randn(HIDDEN, 2 * HIDDEN),
+                    "model.mtp_layers.0.final_layernorm.weight": torch.ones(HIDDEN)})
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _edit_config(folder, num_hidden_layers=2, num_nextn_predict_layers=1)
+    return folder
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:changes["num_hidden_layers"]]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {"glm": glm_folder(root), "mimo": mimo_folder(root)}
+
+
+@pytest.fixture(scope="module")
+def targets(folders):
+    return {name: TorchBackend().load(str(f), device="cpu", dtype="float32")
+            for name, f in folders.items()}
+
+
+def test_mtp_layouts_are_detected_from_config_and_tensor_names(folders):
+    assert read_layout(folders["glm"])[1].prefixes == ("model.layers.2.",)
+    assert read_layout(folders["glm"])[1].style == "deepseek"
+    assert read_layout(folders["mimo"])[1].style == "mimo"
+    qwen_next = detect_mtp({"num_hidden_layers": 4, "num_nextn_predict_layers": 1},
+                           ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"])
+    assert qwen_next.style == "qwen3_next"
+    assert detect_mtp({"num_hidden_layers": 4}, ["mtp.fc.weight"]) is None
+
+
+def test_the_planner_says_native_mtp_for_a_local_target_that_carries_it(folders):
+    plan = planner.plan(str(folders["glm"]), "torch", "cpu", 10**12)
+    assert plan.choice.kind == "mtp"
+    assert plan.choice.reason.startswith("the target carries 1 native MTP layer(s)")
+
+
+def test_the_glm_mtp_block_with_per_expert_names_equals_transformers_own_layer(folders, targets):
+    reference = AutoModelForCausalLM.from_pretrained(folders["glm"], num_hidden_layers=3,
+                                                     dtype=torch.float32).eval()
+    drafter = load_mtp_drafter(targets["glm"])
+    x = torch.randn(1, 5, HIDDEN)
+    positions = torch.arange(5)[None]
+    args = {"position_ids": positions,
+            "position_embeddings": reference.model.rotary_emb(x, positions)}
+    with torch.inference_mode():
+        ours = drafter.layer.layer(x, **args)
+        theirs = reference.model.layers[2](x, **args)
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["glm", "mimo"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_mtp_gives_exactly_the_oracles_tokens(targets, name, k):
+    target = targets[name]
+    plain = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30)))[-1]
+    drafter = build_drafter("mtp", target, backend=TorchBackend())
+    done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                            drafter=drafter, k=k))[-1]
+    assert done.error is None
+    assert done.token_ids == plain.token_ids
+    assert done.stats.drafted > 0
+
+
+def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(targets):
+    target = targets["glm"]
+    drafter = build_drafter("mtp", target, backend=TorchBackend())
+    out = target.start().forward(PROMPT, n_logits=1, capture=drafter.capture_layers)
+    drafter.begin(PROMPT, out, SamplingParams(), None)
+    first = drafter.propose([*PROMPT, 3], 4)
+    assert len(first.tokens) == 4 and first.parents is None
+    assert drafter._cache.get_seq_length() == len(PROMPT)  # prompt pairs and the pending one
+    assert drafter.propose([*PROMPT, 3], 4) == first  # drafting left no trace
+
+
+def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
+    vocab = 4
+    target = TorchBackend().load(str(glm_folder(tmp_path, vocab=vocab, seed=5)), device="cpu",
+                                 dtype="float32")
+    target.eos_token_ids = frozenset()
+    params = SamplingParams(temperature=1.0)
+    prompt = [2, 3]
+    session = target.start()
+    p0 = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
+    expected = np.zeros((vocab, vocab))
+    for a in range(vocab):
+        expected[a] = p0[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
+                                   params)
+        session.rewind(len(prompt))
+    engine, n = SpecEngine(target), 500
+    counts = np.zeros((vocab, vocab))
+    drafter = load_mtp_drafter(target)  # begin() resets it per call
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                           seed=seed), drafter=drafter, k=2))[-1]
+        counts[tuple(done.token_ids[:2])] += 1
+    assert done.stats.drafted > 0
+    exp, obs = expected.ravel() * n, counts.ravel()
+    keep = exp > 5
+    _, pvalue = stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum())
+    assert pvalue > 1e-3
+
+
+def test_a_target_without_mtp_layers_is_refused_naming_another_drafter(target):
+    with pytest.raises(SpecdeckError, match="has no native MTP layers.*--drafter ngram"):
+        build_drafter("mtp", target, backend=TorchBackend())
+
+
+def test_a_target_with_recurrent_layers_is_refused_with_that_reason():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=48, hidden_size=HIDDEN, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, layer_types=["linear_attention", "full_attention"],
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                             linear_num_value_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8, max_position_embeddings=256)
+    target = TorchModel(Qwen3NextForCausalLM(config), tiny_tokenizer(48), name="tiny-next",
+                        device="cpu")
+    for kind in ("mtp", "ngram", "lookahead"):
+        with pytest.raises(SpecdeckError, match=r"tiny-next cannot speculate: layers of type "
+                                                r"\['linear_attention'\] keep a state"):
+            build_drafter(kind, target, backend=TorchBackend())
+    assert build_drafter("none", target).name == "none"

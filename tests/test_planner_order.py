@@ -1,0 +1,162 @@
+"""The planner's order as literal tables: for each catalogue pair's target, the drafter chosen,
+each refused one with its reason and each passed over; today's kinds and every kind."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import drafters
+from app.catalogue import planner
+from app.catalogue.registry import load_catalogue
+
+EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflash", "medusa",
+                        "mtp"})
+PLENTY = 10**12  # every drafter fits: the order alone decides
+NEEDS = "specdeck does not run this drafter kind yet"
+LARGE = "too large to pay off: 49% of the target's parameters"
+PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
+          "(safetensors only)")
+
+# pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU, the kinds
+# implemented now
+TODAY_CPU = {
+    "qwen2.5-coder-1.5b+0.5b": ("draft qwen2.5-coder-0.5b-instruct-q4km", [],
+                                ["draft qwen2.5-0.5b-instruct", "ngram", "lookahead"]),
+    "smollm2-135m+ngram": ("ngram", [], ["lookahead"]),
+    "qwen2.5-7b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
+                        ["draft qwen2.5-coder-0.5b-instruct-q4km",
+                         "draft qwen2.5-coder-1.5b-instruct-q4km", "draft qwen2.5-1.5b-instruct",
+                         "ngram", "lookahead"]),
+    "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
+                          ["draft qwen2.5-coder-0.5b-instruct-q4km", "ngram", "lookahead"]),
+    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("draft qwen3-4b", LARGE)],
+                      ["draft qwen3-0.6b", "ngram", "lookahead"]),
+    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [],
+                      ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "ngram", "lookahead"]),
+    "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
+                           ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
+                            "lookahead"]),
+    "mimo-7b+mtp": ("mtp", [], ["ngram", "lookahead"]),
+    "vicuna-7b+medusa": ("ngram", [("medusa medusa-vicuna-7b", PICKLE)], ["lookahead"]),
+}
+# pairs with the same target plan the same: the plan is the target's, not the pair's
+TODAY_CPU["llama3.1-8b+eagle3"] = TODAY_CPU["llama3.1-8b+dflash"] = \
+    TODAY_CPU["llama3.1-8b+3.2-1b"]
+TODAY_CPU["qwen3-4b+eagle3"] = TODAY_CPU["qwen3-4b+dflash"] = TODAY_CPU["qwen3-4b+0.6b"]
+TODAY_CPU["qwen3-8b+dflash"] = TODAY_CPU["qwen3-8b+0.6b"]
+
+# torch on CUDA with every kind implemented: MTP, then shipped heads, then draft models, then
+# lookahead before lookup (a GPU verifies a wide tree's rows nearly for free)
+EVERY_KIND_CUDA = {
+    "qwen2.5-coder-1.5b+0.5b": ("draft qwen2.5-coder-0.5b-instruct-q4km", [],
+                                ["draft qwen2.5-0.5b-instruct", "lookahead", "ngram"]),
+    "smollm2-135m+ngram": ("lookahead", [], ["ngram"]),
+    "qwen2.5-7b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
+                        ["draft qwen2.5-coder-0.5b-instruct-q4km",
+                         "draft qwen2.5-coder-1.5b-instruct-q4km", "draft qwen2.5-1.5b-instruct",
+                         "lookahead", "ngram"]),
+    "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
+                          ["draft qwen2.5-coder-0.5b-instruct-q4km", "lookahead", "ngram"]),
+    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("draft qwen3-4b", LARGE)],
+                      ["draft qwen3-0.6b", "lookahead", "ngram"]),
+    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [],
+                      ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "lookahead", "ngram"]),
+    "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
+                           ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
+                            "lookahead", "ngram"]),
+    "mimo-7b+mtp": ("mtp", [], ["lookahead", "ngram"]),
+    "vicuna-7b+medusa": ("lookahead", [("medusa medusa-vicuna-7b", PICKLE)], ["ngram"]),
+}
+EVERY_KIND_CUDA["llama3.1-8b+eagle3"] = EVERY_KIND_CUDA["llama3.1-8b+dflash"] = \
+    EVERY_KIND_CUDA["llama3.1-8b+3.2-1b"]
+EVERY_KIND_CUDA["qwen3-4b+eagle3"] = EVERY_KIND_CUDA["qwen3-4b+dflash"] = \
+    EVERY_KIND_CUDA["qwen3-4b+0.6b"]
+EVERY_KIND_CUDA["qwen3-8b+dflash"] = EVERY_KIND_CUDA["qwen3-8b+0.6b"]
+
+CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI print it
+    "draft": "the catalogue's draft model for this target",
+    "ngram": "needs no model or memory: drafts repeats of the prompt and output",
+    "lookahead": ("needs no model: Jacobi iteration drafts n-grams the target itself proposes; "
+                  "its tree costs many verify rows per step"),
+    "dflash": ("trained for this target: a block drafter shipped for the target: one forward "
+               "drafts a whole block"),
+    "mtp": ("the target carries 1 native MTP layer(s): trained with the target and inside its "
+            "weights: nothing to download"),
+}
+
+
+def table(catalogue, implemented, device):
+    out = {}
+    for pair_id, pair in catalogue.pairs.items():
+        plan = planner.plan(pair.target.id, "torch", device, PLENTY, catalogue=catalogue,
+                            implemented=implemented)
+        out[pair_id] = (plan.choice.label, [(o.label, o.reason) for o in plan.refused],
+                        [o.label for o in plan.passed])
+    return out
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return load_catalogue()
+
+
+def test_every_catalogue_pair_plans_as_the_table_says_with_todays_kinds_on_a_cpu(catalogue):
+    assert table(catalogue, drafters.IMPLEMENTED, "cpu") == TODAY_CPU
+
+
+def test_every_catalogue_pair_plans_as_the_table_says_with_every_kind_on_cuda(catalogue):
+    assert table(catalogue, EVERY_KIND, "cuda") == EVERY_KIND_CUDA
+
+
+@pytest.mark.parametrize("pair_id", ["qwen3-8b+0.6b", "smollm2-135m+ngram", "mimo-7b+mtp",
+                                     "vicuna-7b+medusa", "qwen2.5-coder-1.5b+0.5b",
+                                     "qwen3-4b+eagle3"])
+def test_the_chosen_drafter_says_why_and_each_other_why_not(catalogue, pair_id):
+    pair = catalogue.pairs[pair_id]
+    plan = planner.plan(pair.target.id, "torch", "cuda", PLENTY, catalogue=catalogue,
+                        implemented=EVERY_KIND)
+    assert plan.choice.reason == CHOICE_REASONS[plan.choice.kind]
+    lines = plan.reasons()
+    assert lines[0] == f"drafter: {plan.choice.label} ({plan.choice.reason})"
+    assert len(lines) == 1 + len(plan.refused) + len(plan.passed)
+    assert all(line.startswith("not ") for line in lines[1:])
+    assert all(f"ranked after {plan.choice.kind}" in line for line in lines[-len(plan.passed):])
+
+
+def test_preference_puts_mtp_first_then_shipped_heads_then_draft_models_then_no_model():
+    assert planner.preference("torch", "cuda") == (
+        "mtp", "dflash", "eagle3", "eagle", "medusa", "draft", "lookahead", "ngram")
+    assert planner.preference("torch", "cpu")[-2:] == ("ngram", "lookahead")
+    assert planner.preference("mlx", "gpu")[-2:] == ("ngram", "lookahead")
+
+
+def test_on_mlx_lookahead_is_refused_because_its_tree_would_shrink_to_one_chain(catalogue):
+    plan = planner.plan("smollm2-135m+ngram", "mlx", "gpu", PLENTY, catalogue=catalogue)
+    assert plan.choice.kind == "ngram"
+    assert [(o.kind, o.reason) for o in plan.refused] == [
+        ("lookahead", "mlx verifies chains only: lookahead's tree would shrink to its first "
+                      "chain")]
+
+
+# ---- surfaces ------------------------------------------------------------------------------
+
+
+def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path, monkeypatch):
+    from app import store
+    from app.ui.models import catalogue_frame, pair_details
+    from app.ui.workbench import Workbench
+
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))  # nothing downloaded
+    rows = store.list_pairs("torch", "cpu", PLENTY, 4096)
+    smol = next(r for r in rows if r.pair.id == "smollm2-135m+ngram")
+    assert smol.to_dict()["auto"]["choice"]["kind"] == "ngram"
+    assert smol.to_dict()["auto"]["reasons"] == [
+        f"drafter: ngram ({CHOICE_REASONS['ngram']})",
+        f"not lookahead: ranked after ngram ({CHOICE_REASONS['lookahead']})"]
+    text = store.models_table(rows, 4096, why=True)
+    assert f"not medusa medusa-vicuna-7b: {PICKLE}" in text
+    bench = Workbench(backend="torch", device="cpu")
+    table = catalogue_frame(bench)
+    here = {r.pair.id: r.plan.choice.kind for r in store.list_pairs("torch", "cpu")}
+    assert dict(zip(table["pair"], table["auto picks"])) == here  # the memory free now
+    assert "not lookahead: ranked after ngram" in pair_details(bench, "smollm2-135m+ngram")

@@ -96,7 +96,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
     p.add_argument("--drafter", choices=drafters.CHOICES, default="ngram",
                    help="how draft tokens are proposed (none = plain decoding)")
-    p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft")
+    p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft, or "
+                                   "the head folder for --drafter eagle3 / eagle")
+    p.add_argument("--tree", action="store_true",
+                   help="draft EAGLE-2 dynamic trees (--drafter eagle3 / eagle); k is the depth")
     p.add_argument("--k", type=k_value, default=4,
                    help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
                         "from measured costs and acceptance")

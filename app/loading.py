@@ -37,6 +37,8 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.NEEDS_DRAFT_MODEL and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft PATH (a small model of the "
                             "same family)")
+    if drafter_kind in drafters.HEADS and not draft_path:
+        raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
     backend = load_backend(args.backend)
     target_path = str(pair[0]) if pair else args.target
     _refuse_corrupted_files(target_path, draft_path)
@@ -51,8 +53,11 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.NEEDS_DRAFT_MODEL:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
+    # a head folder is the head drafter's own input, never loaded as a causal LM
+    head = head_folder(draft_path, backend.name) if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
-                                     vocab_limit=getattr(args, "draft_vocab", 0))
+                                     vocab_limit=getattr(args, "draft_vocab", 0), head=head,
+                                     tree=bool(getattr(args, "tree", False)))
     engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k)
     return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
                   notes=notes, draft=draft, backend=backend)
@@ -69,6 +74,25 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
         return None
     return store.installed_paths(target, None if backend == "auto" else backend,
                                  need_draft=False)
+
+
+def head_folder(path: str | None, backend: str) -> str | None:
+    """A head given as a folder, or as a catalogue model id that `specdeck pull` installed."""
+    from pathlib import Path
+
+    from app import store
+    from app.catalogue import registry
+
+    models = registry.load_catalogue().models
+    if not path or Path(path).expanduser().exists() or path not in models:
+        return path
+    found = store.model_path(models[path], backend)
+    if found is None:
+        pairs = [p.id for p in registry.load_catalogue().pairs.values()
+                 if p.drafter is not None and p.drafter.id == path]
+        pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
+        raise SpecdeckError(f"the head {path} is not downloaded: {pull} fetches it")
+    return str(found)
 
 
 def _refuse_corrupted_files(*paths: str | None) -> None:

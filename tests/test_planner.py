@@ -134,13 +134,21 @@ def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalog
     assert dflash.reason.startswith("does not fit") and "9.45 GB usable" in dflash.reason
 
 
-def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
+def test_an_eagle3_head_is_chosen_before_the_draft_model_and_dflash_needs_its_kind(catalogue):
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue)
-    assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
-    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
-        {"dflash": "needs dflash", "eagle3": "needs eagle3"}
-    assert plan.reasons()[0] == ("drafter: draft qwen3-0.6b (the catalogue's draft model for "
+    assert (plan.choice.kind, plan.choice.model.id) == ("eagle3", "eagle3-qwen3-4b")
+    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == {"dflash": "needs dflash"}
+    assert plan.reasons()[0] == ("drafter: eagle3 eagle3-qwen3-4b (a eagle3 head trained for "
                                  "this target)")
+
+
+def test_a_head_not_downloaded_is_refused_and_the_draft_model_is_chosen(catalogue):
+    installed = {"qwen3-0.6b": Path("/models/qwen3-0.6b")}
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        installed=lambda m: installed.get(m.id))
+    assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
+    eagle = next(o for o in plan.refused if o.kind == "eagle3")
+    assert "not downloaded" in eagle.reason
 
 
 def test_with_only_a_family_draft_downloaded_it_is_chosen_and_the_paired_one_refused(
@@ -170,7 +178,8 @@ def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catal
 
 
 def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue):
-    plan = planner.plan("llama3.1-8b-instruct", "torch", "cuda", 20 * GB, catalogue=catalogue)
+    plan = planner.plan("llama3.1-8b-instruct", "torch", "cuda", 20 * GB, catalogue=catalogue,
+                        implemented=frozenset({"none", "ngram", "draft"}))  # no heads
     assert plan.choice.kind == "ngram" and plan.fit.target_fits
     refused = {o.model.id: o.reason for o in plan.refused if o.kind == "draft"}
     assert refused["llama3.2-1b-instruct"].startswith("does not fit: its weights and KV cache "

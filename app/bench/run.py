@@ -45,6 +45,7 @@ from app.remoting import add_remote_arguments
 DRAFTER_KINDS = drafters.CHOICES
 DEFAULT_KINDS = drafters.BENCH_DEFAULT
 NEEDS_DRAFT_MODEL = drafters.NEEDS_DRAFT_MODEL
+TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds in drafters.TREES)
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
 
 
@@ -62,6 +63,7 @@ class BenchSettings:
     chat: bool | None = None
     compare_hf: bool = False
     draft_vocab: int = 0  # 0 = the draft model's whole vocabulary
+    head: str | None = None  # the head folder of eagle3 / eagle configurations
 
 
 # ---------------------------------------------------------------- one configuration
@@ -135,10 +137,12 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
         if kind == "none":
             continue
         resolved = ("chain" if draft is not None else "ngram") if kind == "auto" else kind
+        resolved, tree = resolved.removesuffix(TREE_SUFFIX), resolved.endswith(TREE_SUFFIX)
         drafter, why = None, ""
         try:
             drafter = drafters.build_drafter(resolved, target, backend=backend, draft=draft,
-                                             vocab_limit=settings.draft_vocab)
+                                             vocab_limit=settings.draft_vocab,
+                                             head=settings.head, tree=tree)
         except (SpecdeckError, TypeError, ValueError) as error:
             why = f"{type(error).__name__}: {error}"
         for k in settings.ks:
@@ -411,8 +415,10 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
     p.add_argument("--drafters", default=None,
-                   help="comma list of none, ngram, draft, auto (default: ngram, and draft when "
-                        "a draft model is given); plain is always measured")
+                   help="comma list of none, ngram, draft, auto, eagle3, eagle (KIND:tree for "
+                        "EAGLE-2 trees) (default: ngram, and draft when a draft model is "
+                        "given); plain is always measured")
+    p.add_argument("--head", help="head folder (or catalogue head id) for eagle3 / eagle")
     p.add_argument("--k", default="4", help="comma list of draft lengths: integers or auto")
     p.add_argument("--prompts", default="spec-bench",
                    help=f"{', '.join(PROMPT_SETS)} (NAME:cat1,cat2 keeps those categories) "
@@ -456,8 +462,11 @@ def parse_list(text: str, allowed: Iterable[str] = (), ints: bool = False) -> tu
 
 def _bench(args: argparse.Namespace) -> int:
     target_path, draft_path = _model_paths(args)
-    kinds = (parse_list(args.drafters, DRAFTER_KINDS) if args.drafters else
+    allowed = (*DRAFTER_KINDS, *(k + TREE_SUFFIX for k in drafters.TREES))
+    kinds = (parse_list(args.drafters, allowed) if args.drafters else
              tuple(k for k in DEFAULT_KINDS if draft_path or k not in NEEDS_DRAFT_MODEL))
+    if any(k.removesuffix(TREE_SUFFIX) in drafters.HEADS for k in kinds) and not args.head:
+        raise SpecdeckError("--drafters eagle3 / eagle need the head: give --head HEAD_DIR")
     missing = [k for k in kinds if k in NEEDS_DRAFT_MODEL and not draft_path]
     if missing:
         raise SpecdeckError(f"--drafters {missing[0]} needs a draft model: give --draft PATH "
@@ -468,7 +477,7 @@ def _bench(args: argparse.Namespace) -> int:
                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              temperature=args.temperature, seed=args.seed, warmup=args.warmup,
                              chat=args.chat, compare_hf=args.compare_hf,
-                             draft_vocab=args.draft_vocab)
+                             draft_vocab=args.draft_vocab, head=_head(args.head, args.backend))
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     prompts = load_prompts(args.prompts, args.limit)
@@ -488,6 +497,11 @@ def _bench(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
     print(json.dumps(summary_line(report), ensure_ascii=False))
     return 0
+
+
+def _head(path: str | None, backend: str) -> str | None:
+    from app.loading import head_folder
+    return head_folder(path, "torch" if backend == "auto" else backend)
 
 
 def _load_and_run(args: argparse.Namespace, settings: BenchSettings,

@@ -48,7 +48,8 @@ from app.core.types import SpecdeckError
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
 MAX_DRAFT_RATIO = 1 / 3  # a draft model larger than this share of the target rarely pays off
-HEAD_KINDS = ("dflash", "eagle3", "medusa")  # DFlash drafts longer blocks; EAGLE-3 is lighter
+# DFlash drafts longer blocks; EAGLE-3 is lighter; EAGLE-1/2 reads one state, so it comes after
+HEAD_KINDS = ("dflash", "eagle3", "eagle", "medusa")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

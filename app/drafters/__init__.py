@@ -18,8 +18,10 @@ from app.drafters.ngram import NgramDrafter, NoDrafter
 # every kind, in the order menus list them; heads come with their issues
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
          "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
-IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain"})
+IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
+HEADS = frozenset({"eagle3", "eagle"})  # drafters whose --draft is a head folder, not a model
+TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
@@ -35,12 +37,17 @@ def describe(kind: str) -> str:
     return {"none": "plain decoding", "ngram": "prompt lookup (n-gram)",
             "ngram-tree": "prompt lookup with branches (a tree)",
             "draft": "a small draft model", "chain": "prompt lookup, then the draft model",
+            "eagle3": "an EAGLE-3 head on the target's hidden states",
+            "eagle": "an EAGLE-1/2 head on the target's last hidden state",
             }.get(kind, kind)
 
 
 def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = None,
-                  vocab_limit: int = 0) -> Drafter:
-    """The drafter of this kind for target; SpecdeckError naming the fix when it cannot be."""
+                  vocab_limit: int = 0, head: str | None = None, tree: bool = False) -> Drafter:
+    """The drafter of this kind for target; SpecdeckError naming the fix when it cannot be.
+
+    head: the folder of a head drafter (kinds in HEADS); tree: draft trees where the kind can
+    (TREES: EAGLE-2 dynamic trees), verified by the tree verifier."""
     if kind not in KINDS:
         raise SpecdeckError(f"unknown drafter {kind!r}: use one of {', '.join(CHOICES)}")
     if kind not in IMPLEMENTED:
@@ -52,6 +59,8 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
         return NgramDrafter()
     if kind == "ngram-tree":
         return NgramDrafter(tree=True, max_nodes=TREE_NODES)
+    if kind in HEADS:
+        return _head_drafter(kind, target, backend, head, tree)
     if draft is None or backend is None:
         raise SpecdeckError(f"drafter {kind!r} needs a draft model: give --draft PATH (a small "
                             "model of the target's family) or pull a pair that has one")
@@ -61,3 +70,14 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
     lookup = NgramDrafter(min_n=CHAIN_LOOKUP_MIN_N, max_n=max(CHAIN_LOOKUP_MIN_N, 8),
                           full_only=True, name="lookup")
     return ChainDrafter((lookup, model))
+
+
+def _head_drafter(kind: str, target: Any, backend: Any, head: str | None, tree: bool
+                  ) -> Drafter:
+    if not head:
+        raise SpecdeckError(f"drafter {kind!r} needs its head: give --draft HEAD_DIR (the folder "
+                            "with the head's config.json and model.safetensors)")
+    if backend is None or not hasattr(backend, "head_drafter"):
+        name = getattr(backend, "name", "this backend")
+        raise SpecdeckError(f"drafter {kind!r} is not on {name} yet: use --backend torch")
+    return backend.head_drafter(kind, target, head, tree=tree)

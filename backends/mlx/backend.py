@@ -213,6 +213,9 @@ class MlxBackend:
         from backends.mlx.drafters import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
+    def head_drafter(self, kind: str, target: MlxModel, path: str, tree: bool = False) -> Any:
+        raise SpecdeckError(f"drafter {kind!r} (a head) is not on MLX yet: use --backend torch")
+
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
     """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters.

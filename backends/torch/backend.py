@@ -344,6 +344,21 @@ class TorchBackend:
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
 
+    def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
+        """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head from its folder, checked against
+        the target; tree=True drafts EAGLE-2 dynamic trees."""
+        from backends.torch.heads.eagle import load_eagle_head
+        from backends.torch.heads.eagle_drafter import EagleDrafter
+
+        config = target.hf.config.get_text_config()
+        head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
+                                     hidden_size=int(config.hidden_size),
+                                     vocab_size=int(config.vocab_size),
+                                     n_layers=target.n_layers, dtype=target.hf.dtype,
+                                     device=target.device)
+        return EagleDrafter(target, head, spec, tree=tree)
+
+
 class SubsetHead(torch.nn.Module):
     """An output layer over a subset of the vocabulary, scattered into full-width logits."""
 

@@ -1,0 +1,257 @@
+"""EagleDrafter: an EAGLE head drafts chains or EAGLE-2 dynamic trees from the target's own
+hidden states, which the engine's verify forwards capture (no extra target forward).
+
+Knows: the Drafter protocol, the head API of backends/torch/heads/eagle.py, the shared
+sampling pipeline, the EAGLE-2 tree rule (../shared/docs/HEADS.md 2.2: top-k children per
+frontier node, a new frontier of the k best cumulative log-probabilities per depth, the node
+budget filled by reranking every candidate). Must not know: verification, the target's cache.
+
+Alignment (HEADS.md 1.2, 1.3): the head row at position t reads the target's state at t and
+the embedding of token t + 1; its output scores token t + 2. The head's KV cache holds only
+rows built from target states, so it follows the accepted path: the verify forward's states
+for the pending token and the accepted drafts arrive in `accept` and are read at the next
+`propose`, whose context supplies their tokens (the drafted rows of a step never stay).
+Sampled chains report q over the target vocabulary; trees are deterministic (top-k), so
+their q is one-hot and the recursive rejection rule keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.core.protocols import TargetOutput
+from app.core.sampling import sample, warp
+from app.core.types import Draft, SamplingParams, Verdict, common_prefix_length
+from backends.torch.heads.eagle import KV
+from backends.torch.heads.eagle_format import EagleSpec
+
+TREE_TOP_K = 4  # children per frontier node and frontier width (EAGLE-2's top_k)
+TREE_NODES = 16  # node budget: a verify of 17 rows stays row-exact on CPU
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A tree node before selection: cumulative log-probability, depth, parent, token."""
+
+    score: float
+    depth: int
+    parent: int  # index into the candidate list, -1 for a child of the pending token
+    token: int  # target id
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE-3 or EAGLE-1/2 head; tree=True drafts EAGLE-2 dynamic trees."""
+
+    def __init__(self, target: Any, head: torch.nn.Module, spec: EagleSpec, tree: bool = False,
+                 top_k: int = TREE_TOP_K, max_nodes: int = TREE_NODES) -> None:
+        self.head, self.spec = head, spec
+        self.tree, self.top_k, self.max_nodes = tree, top_k, max_nodes
+        self.name = spec.kind + ("-tree" if tree else "")
+        self._hs = spec.hs_ids(target.n_layers)
+        # the engine's hook on layer L returns its output: hidden-state index L + 1
+        self.capture_layers = tuple(sorted({i - 1 for i in self._hs}))
+        hf = target.hf
+        self._embed = head.embed_tokens if head.embed_tokens is not None else \
+            hf.get_input_embeddings()
+        self._final_norm = hf.model.norm if spec.kind == "eagle" else None
+        if spec.kind == "eagle":
+            head.target_head = hf.get_output_embeddings()
+        self._vocab = int(target.vocab_size)
+        self._device = target.device
+        self._params, self._rng = SamplingParams(), np.random.default_rng()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._past: list[KV] | None = None  # committed head rows (from target states)
+        self._rows: list[int] = []  # position of each committed row
+        self._ctx: list[int] = []  # tokens of the context the rows were built from
+        self._pending: list[dict[int, torch.Tensor]] = []  # target states not yet read
+        self._pending_start = 0  # position of the first pending row
+        self._fed_upto = 0  # rows exist (committed or pending) for positions below this
+        self._root: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, feedback
+
+    # ------------------------------------------------------------------ protocol
+
+    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
+              params: SamplingParams, rng: np.random.Generator) -> None:
+        self._params, self._rng = params, rng
+        prompt = [int(t) for t in prompt_ids]
+        states = self._states(first_output, None)
+        n_rows = next(iter(states.values())).shape[0]
+        # a committed row t read tokens up to t + 1: it stays while those match the prompt
+        valid = common_prefix_length(self._ctx, prompt) - 2
+        self._truncate(valid)
+        start = len(prompt) - n_rows  # the prefill covered positions start .. len - 1
+        first = max(start, self._rows[-1] + 1 if self._rows else 0)
+        self._pending = [{i: s[first - start:] for i, s in states.items()}]
+        self._pending_start, self._fed_upto = first, len(prompt)
+        self._ctx, self._root = prompt, None
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        context = [int(t) for t in context]
+        if self._fed_upto != len(context) - 1:
+            return Draft()  # states for this context never arrived (no begin): no draft
+        with torch.inference_mode():
+            self._read_pending(context)
+            if k <= 0 or self._root is None:
+                return Draft()
+            if self.tree:
+                return self._draft_tree(k)
+            return self._draft_chain(k)
+
+    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
+        rows = torch.tensor([0, *(i + 1 for i in verdict.path)], device=self._device)
+        states = self._states(verified, rows)
+        if not self._pending:
+            self._pending_start = self._fed_upto
+        self._pending.append(states)
+        self._fed_upto += len(rows)
+
+    # ------------------------------------------------------------------ the head's cache
+
+    def _states(self, out: TargetOutput, rows: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """Captured layer -> [rows, hidden] (the chosen rows of a verify forward)."""
+        states = {}
+        for layer in self.capture_layers:
+            s = out.hidden_states[layer]
+            states[layer] = s if rows is None else s.index_select(0, rows)
+        return states
+
+    def _truncate(self, last_position: int) -> None:
+        keep = sum(1 for p in self._rows if p <= last_position)
+        self._rows = self._rows[:keep]
+        if self._past is not None:
+            self._past = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._past]
+
+    def _read_pending(self, context: list[int]) -> None:
+        """Run the head over the target states that arrived since the last propose."""
+        if not self._pending:
+            return
+        layers = {i: torch.cat([p[i] for p in self._pending]) for i in self.capture_layers}
+        self._pending = []
+        start, end = self._pending_start, self._fed_upto
+        features = [layers[i - 1] for i in self._hs]
+        if self._final_norm is not None:
+            features = [self._final_norm(f) for f in features]  # EAGLE-1 reads hs[N]
+        hidden = self.head.project(features)[None]
+        tokens = torch.tensor([context[start + 1:end + 1]], device=self._device)
+        positions = torch.arange(start, end, device=self._device)[None]
+        h, self._past = self.head(self._embed(tokens), hidden, positions, self._past)
+        self._rows.extend(range(start, end))
+        self._ctx = context
+        self._root = (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1]))
+
+    # ------------------------------------------------------------------ chains
+
+    def _draft_chain(self, k: int) -> Draft:
+        logits, feedback = self._root
+        position = self._fed_upto  # the pending token's position: the first draft row's
+        past = self._past
+        tokens: list[int] = []
+        probs: list[np.ndarray] = []
+        for j in range(k):
+            token, q = self._choose(logits)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if j == k - 1:
+                break
+            ids = torch.tensor([[token]], device=self._device)
+            h, past = self.head(self._embed(ids), feedback[None, None],
+                                torch.tensor([[position]], device=self._device), past)
+            position += 1
+            logits, feedback = self.head.logits(h[0, -1]), self.head.feedback(h[0, -1])
+        return Draft(tokens=tuple(tokens), probs=np.stack(probs) if probs else None,
+                     source=self.name)
+
+    def _choose(self, draft_logits: torch.Tensor) -> tuple[int, np.ndarray | None]:
+        """Argmax when greedy; else a sample from q over the target vocabulary (q returned)."""
+        if self._params.greedy:
+            best = draft_logits.argmax(-1, keepdim=True)
+            return int(self.head.to_target(best)[0]), None
+        full = np.full(self._vocab, -np.inf, dtype=np.float32)
+        ids = self.head.to_target(torch.arange(draft_logits.shape[-1],
+                                               device=self._device)).cpu().numpy()
+        full[ids] = draft_logits.float().cpu().numpy()
+        q = warp(full, self._params)
+        return sample(q, self._rng), q
+
+    # ------------------------------------------------------------------ EAGLE-2 trees
+
+    def _draft_tree(self, k: int) -> Draft:
+        logits, feedback = self._root
+        top = self.top_k
+        candidates: list[_Candidate] = []
+        children = self._children(logits, 0.0, -1, 1, top)
+        candidates.extend(children)
+        frontier = list(range(len(candidates)))
+        inputs = {i: feedback for i in frontier}  # hidden each frontier node is fed with
+        past, fed_rows, n_base = self._past, {}, len(self._rows)
+        for depth in range(2, k + 1):
+            nodes = frontier
+            ids = torch.tensor([[candidates[i].token for i in nodes]], device=self._device)
+            hidden = torch.stack([inputs[i] for i in nodes])[None]
+            positions = torch.full((1, len(nodes)), self._fed_upto + depth - 2,
+                                   device=self._device)
+            mask = self._tree_mask(nodes, candidates, fed_rows, n_base)
+            for node in nodes:
+                fed_rows[node] = len(fed_rows)
+            h, past = self.head(self._embed(ids), hidden, positions, past, mask)
+            new: list[int] = []
+            for row, node in enumerate(nodes):
+                out = h[0, row]
+                kids = self._children(self.head.logits(out), candidates[node].score, node,
+                                      depth, top)
+                for kid in kids:
+                    inputs[len(candidates)] = self.head.feedback(out)
+                    new.append(len(candidates))
+                    candidates.append(kid)
+            frontier = sorted(new, key=lambda i: -candidates[i].score)[:top]
+        return self._select(candidates)
+
+    def _children(self, logits: torch.Tensor, score: float, parent: int, depth: int,
+                  top: int) -> list[_Candidate]:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        values, draft_ids = logp.topk(min(top, logp.shape[-1]))
+        targets = self.head.to_target(draft_ids).tolist()
+        return [_Candidate(score + float(v), depth, parent, int(t))
+                for v, t in zip(values.tolist(), targets)]
+
+    def _tree_mask(self, nodes: list[int], candidates: list[_Candidate],
+                   fed_rows: dict[int, int], n_base: int) -> torch.Tensor:
+        """[nodes, base + fed + nodes]: the committed rows, each node's fed ancestors, itself."""
+        n_fed = len(fed_rows)
+        mask = torch.zeros(len(nodes), n_base + n_fed + len(nodes), dtype=torch.bool,
+                           device=self._device)
+        mask[:, :n_base] = True
+        for row, node in enumerate(nodes):
+            mask[row, n_base + n_fed + row] = True
+            parent = candidates[node].parent
+            while parent >= 0:
+                mask[row, n_base + fed_rows[parent]] = True
+                parent = candidates[parent].parent
+        return mask
+
+    def _select(self, candidates: list[_Candidate]) -> Draft:
+        """The node budget filled by cumulative log-probability, ancestor-closed, parents
+        first (EAGLE-2's reranking)."""
+        ranked = sorted(range(len(candidates)),
+                        key=lambda i: (-candidates[i].score, candidates[i].depth, i))
+        kept: set[int] = set()
+        for i in ranked:
+            if len(kept) == self.max_nodes:
+                break
+            parent = candidates[i].parent
+            if parent < 0 or parent in kept:  # a child never outranks its parent but for ties
+                kept.add(i)
+        order = sorted(kept, key=lambda i: (candidates[i].depth, i))
+        index = {old: new for new, old in enumerate(order)}
+        parents = tuple(index[candidates[i].parent] if candidates[i].parent >= 0 else -1
+                        for i in order)
+        return Draft(tokens=tuple(candidates[i].token for i in order), parents=parents,
+                     source=self.name)

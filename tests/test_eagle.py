@@ -1,0 +1,247 @@
+"""EAGLE heads: every published layout loads, a wrong head is refused naming both models, and
+speculative output with a head (chain or EAGLE-2 tree, greedy or sampled) is plain decoding's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from app import drafters
+from app.core.engine import SpecEngine
+from app.core.sampling import warp
+from app.core.types import SamplingParams, SpecdeckError
+from backends.torch.backend import TorchBackend
+from tests.conftest import tiny_llama
+from tests.eagle_heads import LAYOUTS, write_head
+
+torch = pytest.importorskip("torch")
+
+N_LAYERS = 8  # the default rule's layers 2, 4, 5 differ
+VOCAB = 48
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 30, 31]
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    return tiny_llama(seed=11, vocab=VOCAB, layers=N_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    return {layout: write_head(root / layout, layout, hidden=32, vocab=VOCAB,
+                               n_layers=N_LAYERS, seed=3) for layout in LAYOUTS}
+
+
+def kind_of(layout: str) -> str:
+    return "eagle" if layout == "eagle1" else "eagle3"
+
+
+def build(target, folder, layout, tree=False):
+    return drafters.build_drafter(kind_of(layout), target, backend=TorchBackend(),
+                                  head=str(folder), tree=tree)
+
+
+def plain(target, prompt, n, params=None):
+    params = params or SamplingParams(max_new_tokens=n)
+    return list(SpecEngine(target).generate(prompt, params))[-1].token_ids
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_reads_the_layers_its_convention_names(deep_target, heads, layout):
+    drafter = build(deep_target, heads[layout], layout)
+    # hook L = output of layer L = hidden state L + 1 (capture-before)
+    expected = {"midlayer": (1, 3, 4),  # default [2, N//2, N-3]
+                "layers": (1, 3, 4),  # SpecForge [1, 3, 4] output-of-layer = [2, 4, 5]
+                "speculators": (0, 2, 5),  # boundary ids [1, 3, 6]
+                "eagle1": (7,)}[layout]  # the final state (normed by the drafter)
+    assert drafter.capture_layers == expected
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_a_head_chain_gives_exactly_plain_greedy_decoding(deep_target, heads, layout, k):
+    truth = plain(deep_target, PROMPT, 30)
+    engine = SpecEngine(deep_target)
+    done = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                drafter=build(deep_target, heads[layout], layout), k=k))[-1]
+    assert done.token_ids == truth
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("layout", ["midlayer", "eagle1"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_an_eagle2_tree_gives_exactly_plain_greedy_decoding(deep_target, heads, layout, k):
+    truth = plain(deep_target, PROMPT, 30)
+    drafter = build(deep_target, heads[layout], layout, tree=True)
+    done = list(SpecEngine(deep_target).generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                                 drafter=drafter, k=k))[-1]
+    assert done.token_ids == truth
+    assert done.stats.drafted > 0
+
+
+def test_a_tree_keeps_its_node_budget_and_depth_k(deep_target, heads):
+    drafter = build(deep_target, heads["midlayer"], "midlayer", tree=True)
+    engine = SpecEngine(deep_target)
+    first = engine.session.forward(PROMPT, n_logits=1, capture=drafter.capture_layers)
+    drafter.begin(PROMPT, first, SamplingParams(), np.random.default_rng(0))
+    draft = drafter.propose(PROMPT + [first.argmax[-1]], 4)
+    assert draft.is_tree and len(draft.tokens) == drafter.max_nodes
+    assert max(draft.depths()) <= 4
+    assert all(p < i for i, p in enumerate(draft.parents))
+
+
+def test_the_heads_cache_after_accepted_steps_equals_reading_the_context_afresh(
+        deep_target, heads):
+    """The head's KV cache follows the accepted path: its next draft after several steps is the
+    draft of a fresh drafter that reads the whole committed context at once."""
+    params = SamplingParams(max_new_tokens=12)
+    stepped = build(deep_target, heads["layers"], "layers")
+    done = list(SpecEngine(deep_target).generate(PROMPT, params, drafter=stepped, k=3))[-1]
+    context = PROMPT + list(done.token_ids)
+    # the stepped drafter's state after the run: continue it by one more propose
+    fresh = build(deep_target, heads["layers"], "layers")
+    engine = SpecEngine(deep_target)
+    first = engine.session.forward(context[:-1], n_logits=1, capture=fresh.capture_layers)
+    fresh.begin(context[:-1], first, SamplingParams(), np.random.default_rng(0))
+    stepped_engine = SpecEngine(deep_target)
+    again = stepped_engine.session.forward(context[:-1], n_logits=1,
+                                           capture=stepped.capture_layers)
+    stepped.begin(context[:-1], again, SamplingParams(), np.random.default_rng(0))
+    assert stepped.propose(context, 4).tokens == fresh.propose(context, 4).tokens
+
+
+def test_a_head_for_another_target_is_refused_naming_both(heads):
+    other = tiny_llama(seed=5, vocab=VOCAB, layers=N_LAYERS, hidden=64)
+    with pytest.raises(SpecdeckError) as error:
+        build(other, heads["speculators"], "speculators")
+    assert "speculators" in str(error.value) and other.name in str(error.value)
+    assert "tiny-llama-test" in str(error.value)  # the verifier the head names
+
+
+def test_a_head_with_another_vocabulary_or_too_few_layers_is_refused(heads):
+    for model in (tiny_llama(seed=5, vocab=64, layers=N_LAYERS),
+                  tiny_llama(seed=5, vocab=VOCAB, layers=3)):
+        with pytest.raises(SpecdeckError, match=model.name):
+            build(model, heads["midlayer"], "midlayer")
+
+
+def test_an_eagle1_head_asked_for_as_eagle3_names_the_right_flag(deep_target, heads):
+    with pytest.raises(SpecdeckError, match="--drafter eagle"):
+        drafters.build_drafter("eagle3", deep_target, backend=TorchBackend(),
+                               head=str(heads["eagle1"]))
+
+
+def test_a_head_kind_without_its_folder_names_the_flag(deep_target):
+    with pytest.raises(SpecdeckError, match="--draft HEAD_DIR"):
+        drafters.build_drafter("eagle3", deep_target, backend=TorchBackend())
+
+
+# ---------------------------------------------------------------- sampled: the target's law
+
+SMALL_VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    model = tiny_llama(seed=21, vocab=SMALL_VOCAB, layers=6)
+    model.eos_token_ids = frozenset()  # every generation runs its full length
+    return model
+
+
+def target_law(target, prompt, params):
+    """p(second, third token) of plain sampled decoding, from the target's own rows (the
+    step after the prefill's token drafts both)."""
+    session = target.start()
+
+    def law(ids):
+        session.rewind(0)
+        row = session.forward(ids, n_logits=1).host_logits()[-1].astype(np.float64)
+        return warp(row, params)
+
+    first = law(prompt)
+    joint = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
+    for a in range(SMALL_VOCAB):
+        second = law(prompt + [a])
+        for b in range(SMALL_VOCAB):
+            joint[b] += first[a] * second[b] * law(prompt + [a, b])
+    return joint
+
+
+@pytest.mark.parametrize("layout,tree", [("midlayer", False), ("eagle1", False),
+                                         ("speculators", True)])
+def test_sampled_speculation_with_a_head_draws_from_the_targets_distribution(
+        small_target, tmp_path, layout, tree):
+    folder = write_head(tmp_path / layout, layout, hidden=32, vocab=SMALL_VOCAB, n_layers=6,
+                        seed=4, draft_vocab=6, scale=0.6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    prompt = [1, 2, 3, 4]
+    joint = target_law(small_target, prompt, params)
+    drafter = build(small_target, folder, layout, tree=tree)
+    engine = SpecEngine(small_target)
+    counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
+    n, accepted = 900, 0
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4,
+                                                           seed=seed),
+                                    drafter=drafter, k=2))[-1]
+        counts[tuple(done.token_ids[1:3])] += 1
+        accepted += done.stats.accepted
+    expected = joint.ravel() * n
+    keep = expected > 5
+    observed = counts.ravel()
+    _, pvalue = stats.chisquare(observed[keep], expected[keep] * observed[keep].sum()
+                                / expected[keep].sum())
+    assert pvalue > 1e-3
+    assert accepted > 0  # the rejection rule was exercised on accepted drafts too
+
+
+# ---------------------------------------------------------------- surfaces
+
+
+def test_generate_with_a_head_folder_and_tree_equals_plain_output(deep_target, heads, tmp_path,
+                                                                  capsys):
+    import json
+
+    from app.cli import main
+
+    deep_target.hf.save_pretrained(tmp_path / "target")
+    deep_target.tokenizer.save_pretrained(tmp_path / "target")
+    common = ["generate", "--target", str(tmp_path / "target"), "--prompt", "w5 w9 w12 w5 w9",
+              "--max-new-tokens", "16", "--json", "--dtype", "float32"]
+    outputs = []
+    for extra in (["--drafter", "none"],
+                  ["--drafter", "eagle3", "--draft", str(heads["midlayer"]), "--tree"],
+                  ["--drafter", "eagle", "--draft", str(heads["eagle1"]), "--k", "3"]):
+        assert main([*common, *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[1]["token_ids"] == outputs[2]["token_ids"] == outputs[0]["token_ids"]
+    assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
+
+
+def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
+    from app.bench import run as bench
+    from tests.test_bench import word_prompts
+
+    settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
+                                   max_new_tokens=8, head=str(heads["speculators"]), warmup=0)
+    report = bench.run_bench(deep_target, word_prompts(2), settings, backend=TorchBackend())
+    names = {c["name"] for c in report["configs"]}
+    assert {"eagle3 k=3", "eagle3:tree k=3"} <= names  # both built (else left out)
+
+
+@pytest.mark.parametrize("ids", [None, (1, 4, 6), (3, 5, 7)])
+def test_a_head_saved_in_the_authors_layout_reloads_reading_the_same_layers(tmp_path, ids):
+    from backends.torch.heads.eagle import Eagle3Head, load_eagle_head, new_eagle3_spec, save_eagle3
+
+    spec = new_eagle3_spec("fresh", target_hidden_size=32, vocab_size=VOCAB, draft_vocab_size=16,
+                           num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                           layer_ids=ids)
+    head = Eagle3Head(spec)
+    save_eagle3(head, tmp_path / "fresh")
+    loaded, again = load_eagle_head(tmp_path / "fresh", kind="eagle3", target_name="t",
+                                    hidden_size=32, vocab_size=VOCAB, n_layers=N_LAYERS)
+    assert again.hs_ids(N_LAYERS) == spec.hs_ids(N_LAYERS)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name

@@ -16,8 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from app.train import prompts as training_prompts  # noqa: E402
 from app.train.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
+from backends.torch.heads.eagle import Eagle3Head, load_eagle_head  # noqa: E402
 from backends.torch.train_head import data, loop  # noqa: E402
-from backends.torch.train_head.head import Eagle3TrainHead, HeadShape  # noqa: E402
+from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
 from backends.torch.train_head.ttt import ttt_step  # noqa: E402
 from tests.conftest import tiny_tokenizer  # noqa: E402
 
@@ -50,16 +51,15 @@ def answers() -> list[data.Example]:
             for e in data.generate_examples(hf, prompts[i:i + 8], 24, [1], 1)]
 
 
-def frozen_parts(hf: LlamaForCausalLM, head: Eagle3TrainHead) -> loop.Frozen:
+def frozen_parts(hf: LlamaForCausalLM, head: Eagle3Head) -> loop.Frozen:
     embed = torch.nn.Embedding.from_pretrained(hf.model.embed_tokens.weight.detach().clone())
-    return loop.Frozen(embed, hf.lm_head.weight.detach()[head.draft_ids].float())
+    return loop.Frozen(embed, hf.lm_head.weight.detach()[draft_ids(head)].float())
 
 
-def new_head(hf: LlamaForCausalLM, draft_vocab: int = 40, seed: int = 0) -> Eagle3TrainHead:
+def fresh_head(hf: LlamaForCausalLM, draft_vocab: int = 40, seed: int = 0) -> Eagle3Head:
     torch.manual_seed(seed)
-    ids = torch.arange(VOCAB - draft_vocab, VOCAB)
-    head = Eagle3TrainHead(HeadShape.from_target(hf.config, draft_vocab), ids)
-    head.start_from_target(hf.lm_head.weight.float(), hf.model.norm.weight.float())
+    head = new_head(hf.config, torch.arange(VOCAB - draft_vocab, VOCAB))
+    start_from_target(head, hf.lm_head.weight.float(), hf.model.norm.weight.float())
     return head
 
 
@@ -99,7 +99,7 @@ def test_shard_files_give_back_the_same_examples(answers, tmp_path):
 
 def test_training_lowers_the_ttt_loss_and_raises_depth_one_accuracy(answers, tmp_path):
     hf = tiny_target()
-    head = new_head(hf)
+    head = fresh_head(hf)
     frozen = frozen_parts(hf, head)
     settings = loop.LoopSettings(epochs=30, lr=3e-3, warmup=5, batch_tokens=256, depth=3,
                                  save_every=1000)
@@ -121,7 +121,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answ
     hf = tiny_target()
     settings = loop.LoopSettings(epochs=2, lr=1e-3, warmup=2, batch_tokens=128, depth=2,
                                  save_every=3)
-    whole = new_head(hf)
+    whole = fresh_head(hf)
     loop.train(whole, frozen_parts(hf, whole), answers, settings, tmp_path / "whole", "cpu",
                False, lambda p: None)
 
@@ -129,12 +129,12 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answ
         if p.phase == "train" and p.done == 5:
             raise KeyboardInterrupt
 
-    cut = new_head(hf)
+    cut = fresh_head(hf)
     with pytest.raises(KeyboardInterrupt):
         loop.train(cut, frozen_parts(hf, cut), answers, settings, tmp_path / "cut", "cpu",
                    False, stop_at_5)
     assert loop.has_checkpoint(tmp_path / "cut")
-    resumed = new_head(hf, seed=99)  # other starting weights: the checkpoint must replace them
+    resumed = fresh_head(hf, seed=99)  # other starting weights: the checkpoint must replace them
     summary = loop.train(resumed, frozen_parts(hf, resumed), answers, settings,
                          tmp_path / "cut", "cpu", False, lambda p: None)
     assert summary["steps"] > 5
@@ -186,6 +186,9 @@ def test_saved_head_has_the_eagle3_names_shapes_and_config_keys(tmp_path, monkey
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 32
     assert torch.equal(torch.arange(32) + d2t, torch.nonzero(t2d).flatten())
+    head, spec = load_eagle_head(folder, kind="eagle3", target_name="tiny", hidden_size=32,
+                                 vocab_size=VOCAB, n_layers=LAYERS)
+    assert spec.draft_vocab_size == 32 and torch.equal(head.d2t, d2t)
     lines = (folder / training_prompts.PROMPTS_FILE).read_text().splitlines()
     assert len(lines) == summary["prompts"] == 12
     assert len(summary["held_out_accuracy"]) == 2

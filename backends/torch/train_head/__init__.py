@@ -24,9 +24,10 @@ from app.train.progress import ProgressFn, TrainProgress
 from app.train.vocab import coverage, draft_vocabulary
 from backends.gguf import hf_folder
 from backends.torch.backend import cpu_has_native_bf16, resolve_device, resolve_dtype
+from backends.torch.heads.eagle import Eagle3Head
 from backends.torch.train_head import data, loop
 from backends.torch.train_head.export import export
-from backends.torch.train_head.head import Eagle3TrainHead, HeadShape
+from backends.torch.train_head.head import draft_ids, new_head, start_from_target
 
 HELD_OUT_EVERY = 10  # every 10th answer is held out for the accuracy report
 
@@ -47,9 +48,9 @@ def train_head(request: Any, on_progress: ProgressFn) -> dict[str, Any]:
         raise SpecdeckError("no answers to train on: give more prompts (--prompts)")
     counts = _generated_counts(train_set, hf.config.vocab_size)
     ids = draft_vocabulary(counts, min(request.draft_vocab, int(hf.config.vocab_size)))
-    shape = HeadShape.from_target(hf.config, len(ids))
-    head = Eagle3TrainHead(shape, torch.from_numpy(ids))
-    head.start_from_target(hf.get_output_embeddings().weight.float(), hf.model.norm.weight.float())
+    head = new_head(hf.config, torch.from_numpy(ids))
+    start_from_target(head, hf.get_output_embeddings().weight.float(),
+                      hf.model.norm.weight.float())
     frozen = _frozen(hf, head, device, bf16)
     n_layers = len(hf.model.layers)
     del hf  # the head needs only the target's embedding and output rows from here on
@@ -142,8 +143,8 @@ def _generated_counts(examples: list[data.Example], vocab: int) -> np.ndarray:
     return np.bincount(np.concatenate(answers), minlength=vocab)[:vocab]
 
 
-def _frozen(hf: Any, head: Eagle3TrainHead, device: str, bf16: bool) -> loop.Frozen:
+def _frozen(hf: Any, head: Eagle3Head, device: str, bf16: bool) -> loop.Frozen:
     table = hf.get_input_embeddings().weight.detach()
     embed = torch.nn.Embedding.from_pretrained(table.clone(), freeze=True).to(device)
-    rows = hf.get_output_embeddings().weight.detach()[head.draft_ids.to(table.device)]
+    rows = hf.get_output_embeddings().weight.detach()[draft_ids(head).to(table.device)]
     return loop.Frozen(embed, rows.to(device, torch.bfloat16 if bf16 else torch.float32))

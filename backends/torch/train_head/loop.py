@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from app.train.progress import ProgressFn, TrainProgress
+from backends.torch.heads.eagle import Eagle3Head
 from backends.torch.train_head.data import Example
-from backends.torch.train_head.head import Eagle3TrainHead
 from backends.torch.train_head.ttt import Batch, ttt_step
 
 CHECKPOINT = "checkpoint.pt"
@@ -92,7 +92,7 @@ def lr_at(step: int, total: int, s: LoopSettings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def train(head: Eagle3TrainHead, frozen: Frozen, examples: Sequence[Example],
+def train(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example],
           s: LoopSettings, work: Path, device: str, bf16: bool,
           on_progress: ProgressFn) -> dict[str, object]:
     """Train (or resume) to the end of s.epochs; returns the last checkpoint's summary."""
@@ -153,7 +153,7 @@ class _Running:
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3TrainHead, frozen: Frozen, examples: Sequence[Example], depth: int,
+def evaluate(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example], depth: int,
              budget: int, device: str, bf16: bool) -> tuple[float, ...]:
     """Top-1 accuracy per TTT depth over these examples (the data's own tokens fed back)."""
     correct, rows = [0] * depth, [0] * depth
@@ -170,7 +170,7 @@ def evaluate(head: Eagle3TrainHead, frozen: Frozen, examples: Sequence[Example],
 # ---- checkpoints -----------------------------------------------------------------------
 
 
-def save_checkpoint(work: Path, head: Eagle3TrainHead, optim: torch.optim.Optimizer,
+def save_checkpoint(work: Path, head: Eagle3Head, optim: torch.optim.Optimizer,
                     s: LoopSettings, step: int) -> None:
     work.mkdir(parents=True, exist_ok=True)
     tmp = work / (CHECKPOINT + ".tmp")
@@ -179,7 +179,7 @@ def save_checkpoint(work: Path, head: Eagle3TrainHead, optim: torch.optim.Optimi
     tmp.replace(work / CHECKPOINT)  # the previous checkpoint stays whole until this one is
 
 
-def load_checkpoint(work: Path, head: Eagle3TrainHead, optim: torch.optim.Optimizer,
+def load_checkpoint(work: Path, head: Eagle3Head, optim: torch.optim.Optimizer,
                     s: LoopSettings) -> dict[str, int]:
     """The resumed step (0 without a checkpoint); head and optimizer restored in place."""
     path = work / CHECKPOINT

@@ -15,7 +15,6 @@ the head's pre-norm output of step j-1, at position t+j, and predicts token t+2+
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,27 +45,35 @@ class StepResult:
 
 def ttt_step(head: torch.nn.Module, embed: torch.nn.Embedding, batch: Batch,
              depth: int) -> StepResult:
-    """Loss and top-1 counts of `head` over `depth` TTT steps on one batch."""
-    tokens, n_rows = batch.tokens, batch.tokens.shape[1]
-    hidden = head.fc(batch.aux.to(head.fc.weight.dtype))
-    positions = torch.arange(n_rows, device=tokens.device)
-    causal = torch.ones(n_rows, n_rows, dtype=torch.bool, device=tokens.device).tril()
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    """Loss and top-1 counts of `head` (an Eagle3Head) over `depth` TTT steps on one batch."""
+    tokens = batch.tokens
+    n_rows = tokens.shape[1]
+    width = batch.aux.shape[-1] // 3
+    hidden = head.project(list(batch.aux.to(head.fc.weight.dtype).split(width, dim=-1)))
+    positions = torch.arange(n_rows, device=tokens.device).expand(tokens.shape[0], -1)
+    past = None
     loss = hidden.new_zeros((), dtype=torch.float32)
     losses, correct, rows = [], [], []
     for j in range(depth):
-        fed = _shift(tokens, 1 + j)                      # token t+1+j at row t
-        emb = embed(fed).to(hidden.dtype)
-        hidden = _layer(head, emb, hidden, positions + j, causal, keys)
-        logits = head.lm_head(head.norm(hidden)).float()
+        emb = embed(_shift(tokens, 1 + j)).to(hidden.dtype)   # token t+1+j at row t
+        h, past = head(emb, hidden, positions + j, past, ttt_mask(n_rows, j, tokens.device))
+        logits = head.logits(h).float()
         target = _shift(batch.target_logits, 1 + j).float()   # distribution of token t+2+j
-        mask = _shift(batch.counts, 2 + j)
-        step_loss, hits, n = _objective(logits, target, mask)
+        step_loss, hits, n = _objective(logits, target, _shift(batch.counts, 2 + j))
         loss = loss + STEP_WEIGHT ** j * step_loss
         losses.append(float(step_loss.detach()))
         correct.append(hits)
         rows.append(n)
+        hidden = head.feedback(h)
     return StepResult(loss, tuple(losses), tuple(correct), tuple(rows))
+
+
+def ttt_mask(n_rows: int, step: int, device: torch.device) -> torch.Tensor:
+    """[T, (step+1)*T]: row t sees step 0's keys at positions <= t and, of every later step,
+    its own key at t (the draft KV cache a chain builds at inference)."""
+    causal = torch.ones(n_rows, n_rows, dtype=torch.bool, device=device).tril()
+    own = torch.eye(n_rows, dtype=torch.bool, device=device)
+    return torch.cat([causal, *[own] * step], dim=1)
 
 
 def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
@@ -87,59 +94,3 @@ def _objective(logits: torch.Tensor, target: torch.Tensor,
     loss = (per_row * weights).sum() / max(n, 1)
     hits = int(((logits.argmax(-1) == target.argmax(-1)) & mask.bool()).sum())
     return loss, hits, n
-
-
-def _layer(head: torch.nn.Module, emb: torch.Tensor, hidden: torch.Tensor,
-           positions: torch.Tensor, causal: torch.Tensor,
-           keys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One EAGLE-3 decoder layer over every row, appending this step's keys and values."""
-    layer = head.midlayer
-    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
-    attn = layer.self_attn
-    q, k, v = _heads(attn.q_proj(x), attn.n_heads), _heads(attn.k_proj(x), attn.n_kv), \
-        _heads(attn.v_proj(x), attn.n_kv)
-    cos, sin = rope(positions, attn.head_dim, attn.rope_theta, q.dtype)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    groups = attn.n_heads // attn.n_kv
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    keys.append((k, v))
-    out = _ttt_attention(q, keys, causal)
-    b, _, t, _ = out.shape
-    h = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def _ttt_attention(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]],
-                   causal: torch.Tensor) -> torch.Tensor:
-    """Row t of the last step sees step 0's keys at positions <= t and its own earlier steps'
-    keys at t (the draft KV cache a chain builds at inference)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    k0, v0 = keys[0]
-    scores = [(q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * k).sum(-1, keepdim=True).float().mul(scale) for k, _ in keys[1:]]
-    weights = torch.cat(scores, dim=-1).softmax(-1).to(q.dtype)
-    n = k0.shape[-2]
-    out = weights[..., :n] @ v0
-    for i, (_, v) in enumerate(keys[1:]):
-        out = out + weights[..., n + i:n + i + 1] * v
-    return out
-
-
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    b, t, _ = x.shape
-    return x.view(b, t, n, -1).transpose(1, 2)  # [B, heads, T, head_dim]
-
-
-def rope(positions: torch.Tensor, head_dim: int, theta: float,
-         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (unscaled) rotary tables for these positions: [T, head_dim] cos and sin."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    freqs = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

@@ -196,7 +196,8 @@ def test_saved_head_has_the_eagle3_names_shapes_and_config_keys(tmp_path, monkey
 
 def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
-    from app import store
+    from app import drafters, store
+    from app.catalogue import planner
     from app.catalogue.registry import load_catalogue
     from app.store import layout
     from app.train import run
@@ -217,6 +218,10 @@ def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, mon
     row = next(r for r in store.list_pairs("torch") if r.pair.id == pair.id)
     assert row.installed
     assert store.check_model(pair.drafter, "torch").ok
+    plan = planner.plan("smollm2-135m-instruct", "torch", "cpu", memory=2**34,
+                        implemented=drafters.IMPLEMENTED,
+                        installed=lambda m: store.model_path(m, "torch"))
+    assert plan.choice.kind == "eagle3" and plan.choice.path == head_path
 
 
 def test_prompts_from_a_file_that_a_bundled_benchmark_holds_are_left_out(tmp_path):

@@ -194,6 +194,30 @@ def test_saved_head_has_the_eagle3_names_shapes_and_config_keys(tmp_path, monkey
     assert len(summary["held_out_accuracy"]) == 2
 
 
+def install_as_smollm2(tmp_path: Path) -> None:
+    """The tiny target installed in SPECDECK_HOME under SmolLM2's catalogue id."""
+    from app.store import layout
+
+    folder = save_target(tmp_path / "target")
+    files = sorted(p.name for p in folder.iterdir())
+    layout.install("smollm2-135m-instruct", "torch", [(folder / n, n, None) for n in files],
+                   load=".", source="pypi")
+
+
+def test_the_models_tab_trains_a_head_for_the_pairs_target_with_progress(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
+    from app.ui.train import train_head
+
+    install_as_smollm2(tmp_path)
+    pages = list(train_head("smollm2-135m+ngram", "mt-bench", 4))
+    assert any('data-phase="data"' in p for p in pages)
+    assert any('data-phase="train"' in p and "top-1 by depth" in p for p in pages)
+    assert 'data-finished="true"' in pages[-1]
+    assert "smollm2-135m-instruct+eagle3-trained" in pages[-1]
+    assert "pick a pair" in next(train_head(None, "mt-bench", 4))
+
+
 def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
     from app import drafters, store
@@ -202,10 +226,7 @@ def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, mon
     from app.store import layout
     from app.train import run
 
-    folder = save_target(tmp_path / "target")
-    files = sorted(p.name for p in folder.iterdir())
-    layout.install("smollm2-135m-instruct", "torch", [(folder / n, n, None) for n in files],
-                   load=".", source="pypi")
+    install_as_smollm2(tmp_path)
     summary = run("smollm2-135m+ngram", ["mt-bench"], limit=6, on_progress=lambda p: None,
                   max_new_tokens=8, gen_batch=3, draft_vocab=16, device="cpu",
                   dtype="float32", epochs=1, depth=2, batch_tokens=128)

@@ -40,11 +40,19 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.HEADS and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
     backend = load_backend(args.backend)
+    draft_path = head_folder(draft_path, backend.name)
+    given_head = _head_kind(draft_path)
+    if given_head and drafter_kind in drafters.NEEDS_DRAFT_MODEL:
+        raise SpecdeckError(f"{draft_path} is an EAGLE head, not a draft model: use --drafter "
+                            f"{given_head}")
     target_path = str(pair[0]) if pair else args.target
     _refuse_corrupted_files(target_path, draft_path)
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
     notes: tuple[str, ...] = ()
-    if drafter_kind == "auto":
+    if drafter_kind == "auto" and given_head:
+        notes = (f"drafter: {given_head}, the head {draft_path} (given)",)
+        drafter_kind = given_head
+    elif drafter_kind == "auto":
         drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft)
         drafter_kind = drafters.RUN_AS.get(drafter_kind, drafter_kind)
     if args.k == 0:
@@ -54,7 +62,7 @@ def load_engine(args: Any) -> Loaded:
         draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
         draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
     # a head folder is the head drafter's own input, never loaded as a causal LM
-    head = head_folder(draft_path, backend.name) if drafter_kind in drafters.HEADS else None
+    head = draft_path if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
                                      vocab_limit=getattr(args, "draft_vocab", 0), head=head,
                                      tree=bool(getattr(args, "tree", False)))
@@ -76,8 +84,17 @@ def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
                                  need_draft=False)
 
 
+def _head_kind(path: str | None) -> str | None:
+    """The EAGLE kind of a head folder (config and safetensors header only), else None."""
+    if not path:
+        return None
+    from backends.torch.heads.eagle_format import head_kind
+    return head_kind(path)
+
+
 def head_folder(path: str | None, backend: str) -> str | None:
-    """A head given as a folder, or as a catalogue model id that `specdeck pull` installed."""
+    """A head (or model) given as a folder, or as a catalogue model id `specdeck pull`
+    installed."""
     from pathlib import Path
 
     from app import store
@@ -91,7 +108,7 @@ def head_folder(path: str | None, backend: str) -> str | None:
         pairs = [p.id for p in registry.load_catalogue().pairs.values()
                  if p.drafter is not None and p.drafter.id == path]
         pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
-        raise SpecdeckError(f"the head {path} is not downloaded: {pull} fetches it")
+        raise SpecdeckError(f"{path} is not downloaded: {pull} fetches it")
     return str(found)
 
 

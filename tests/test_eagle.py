@@ -245,3 +245,20 @@ def test_a_head_saved_in_the_authors_layout_reloads_reading_the_same_layers(tmp_
     assert again.hs_ids(N_LAYERS) == spec.hs_ids(N_LAYERS)
     for name, tensor in head.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
+def test_auto_with_a_head_folder_runs_the_head_and_a_draft_kind_refuses_it(deep_target, heads,
+                                                                           tmp_path, capsys):
+    import json
+
+    from app.cli import main
+
+    deep_target.hf.save_pretrained(tmp_path / "target")
+    deep_target.tokenizer.save_pretrained(tmp_path / "target")
+    common = ["generate", "--target", str(tmp_path / "target"), "--prompt", "w5 w9 w12",
+              "--max-new-tokens", "6", "--json", "--dtype", "float32",
+              "--draft", str(heads["layers"])]
+    assert main([*common, "--drafter", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["drafter"] == "eagle3"
+    assert main([*common, "--drafter", "draft"]) != 0
+    assert "is an EAGLE head, not a draft model: use --drafter eagle3" in capsys.readouterr().err

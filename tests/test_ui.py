@@ -587,8 +587,8 @@ def test_catalogue_shows_every_pair_and_unbuilt_drafters_as_needs_kind(empty_hom
     table = catalogue_frame(Workbench(backend="torch", device="cpu"))
     assert list(table["pair"]) == list(load_catalogue().pairs)
     status = dict(zip(table["pair"], table["status"]))
-    assert status["qwen3-4b+eagle3"] == "needs eagle3"
-    assert status["smollm2-135m+ngram"] == "not downloaded"
+    assert status["qwen3-4b+dflash"] == "needs dflash"
+    assert status["qwen3-4b+eagle3"] == status["smollm2-135m+ngram"] == "not downloaded"
 
 
 def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
@@ -601,8 +601,8 @@ def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
 
 def test_a_pair_needing_an_unbuilt_drafter_is_not_downloaded(empty_home):
     _, handlers = models_handlers()
-    (frame,) = list(handlers.download("qwen3-4b+eagle3"))
-    assert "needs eagle3" in frame[2]
+    (frame,) = list(handlers.download("qwen3-4b+dflash"))
+    assert "needs dflash" in frame[2]
 
 
 def test_loading_a_pair_that_is_not_downloaded_names_the_pull_command(empty_home):

@@ -93,6 +93,10 @@ class Served:
             raise ApiError(f"drafter {name!r} needs a draft model, and this server runs "
                            f"{self.drafter_name!r} without one: use drafter 'ngram' or 'none', "
                            "or restart with --drafter chain --draft PATH", "drafter")
+        if name in drafters.HEADS:
+            raise ApiError(f"drafter {name!r} needs its head, and this server runs "
+                           f"{self.drafter_name!r}: restart with --drafter {name} --draft "
+                           "HEAD_DIR", "drafter")
         if name not in self._drafters:
             self._drafters[name] = drafters.build_drafter(
                 name, self.engine.target, backend=self.backend, draft=self.draft)

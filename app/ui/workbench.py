@@ -48,6 +48,7 @@ class Workbench:
         self.backend: Any = None  # the backend that loaded the models (bench builds drafters)
         self.target: Any = None
         self.draft: Any = None
+        self.head: str | None = None  # an EAGLE head's folder, built by the backend per kind
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
@@ -86,6 +87,9 @@ class Workbench:
         self.unload()
         self.backend = backend
         target = backend.load(target_path, device=self.device, dtype=self.dtype)
+        head = draft_path if draft_path and _is_head(draft_path) else None
+        if head:  # a head is built by its drafter, never loaded as a model
+            draft_path = None
         draft = (backend.load(draft_path, device=self.device, dtype=self.draft_dtype)
                  if draft_path else None)
         if draft is not None:
@@ -94,9 +98,10 @@ class Workbench:
             if model is not None:
                 warm_up(model)
         self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
+        self.head = head
 
     def unload(self) -> None:
-        self.target = self.draft = self.backend = None
+        self.target = self.draft = self.backend = self.head = None
         self._engines, self._drafters = {}, {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
@@ -112,6 +117,9 @@ class Workbench:
         if kind not in drafters.IMPLEMENTED:
             raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
                                 f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
+        if kind in drafters.HEADS and self.head is None:
+            raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair with an EAGLE "
+                                f"head in the Models tab, or start with --draft HEAD_DIR")
         if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
             raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
                                 "model in the Models tab, or start with --draft PATH")
@@ -132,7 +140,7 @@ class Workbench:
             self._engines[lane] = self._new_engine(lane)
         if choice.kind not in self._drafters:
             self._drafters[choice.kind] = drafters.build_drafter(
-                choice.kind, self.target, backend=self.backend, draft=self.draft)
+                choice.kind, self.target, backend=self.backend, draft=self.draft, head=self.head)
         return Bound(self._engines[lane], self._drafters[choice.kind],
                      0 if choice.kind == "none" else k), choice
 
@@ -208,3 +216,9 @@ def warm_up(model: Any) -> None:
     ids = list(model.tokenizer.encode("Hello, this warms the model up."))[:8]
     if ids:
         model.start().forward(ids, n_logits=1)
+
+
+def _is_head(path: str) -> bool:
+    """An EAGLE head folder (read from its config and safetensors header, no torch)."""
+    from backends.torch.heads.eagle_format import head_kind
+    return head_kind(path) is not None

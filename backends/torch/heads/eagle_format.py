@@ -104,6 +104,15 @@ def read_eagle_spec(path: str | Path) -> EagleSpec:
     return _spec_from(config, names, folder.name, str(weights))
 
 
+def head_kind(path: str | Path) -> str | None:
+    """"eagle3" or "eagle" when the folder holds an EAGLE head, else None (a model, a file);
+    reads config.json and the safetensors header only, never raises."""
+    try:
+        return read_eagle_spec(path).kind
+    except (SpecdeckError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def safetensors_names(path: Path) -> dict[str, dict[str, Any]]:
     """Tensor name -> {dtype, shape} from a safetensors header, without reading weights."""
     with open(path, "rb") as f:

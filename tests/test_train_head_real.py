@@ -35,7 +35,7 @@ def test_a_head_trained_on_smollm2_drafts_held_out_prompts_and_stays_lossless(
     head = tmp_path / "head"
     summary = run(str(smollm2_gguf), ["mt-bench"], limit=TRAIN_PROMPTS, out=str(head),
                   on_progress=lambda p: None, max_new_tokens=64, gen_batch=8,
-                  draft_vocab=DRAFT_VOCAB, epochs=2, depth=3, batch_tokens=1024)
+                  draft_vocab=DRAFT_VOCAB, epochs=4, depth=3, batch_tokens=512, lr=1e-3)
     assert summary["prompts"] == TRAIN_PROMPTS and summary["answer_tokens"] > 1000
     # SmolLM2-135M: hidden 576, 30 layers, vocabulary 49152
     random_head = write_head(tmp_path / "random", "midlayer", hidden=576, vocab=49152,

@@ -99,8 +99,8 @@ def add_subcommand(sub: Any) -> None:
                    help="prompts answered together (one read of the weights per token)")
     p.add_argument("--draft-vocab", type=int, default=32000,
                    help="the head's vocabulary: the target's most frequent tokens")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--depth", type=int, default=7,
                    help="training-time-test steps (the head learns from its own states)")
     p.add_argument("--batch-tokens", type=int, default=2048, help="rows per optimizer step")

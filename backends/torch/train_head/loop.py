@@ -27,8 +27,8 @@ CHECKPOINT = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class LoopSettings:
-    epochs: int = 2
-    lr: float = 3e-4
+    epochs: int = 3
+    lr: float = 1e-3
     warmup: int = 10            # optimizer steps
     batch_tokens: int = 2048    # rows per batch (padded)
     depth: int = 7              # TTT steps (the EAGLE-3 authors train 7)
@@ -85,10 +85,11 @@ def autocast(device: str, bf16: bool) -> torch.autocast:
 
 
 def lr_at(step: int, total: int, s: LoopSettings) -> float:
-    """Linear warmup, then cosine decay to a tenth."""
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    done = (step - s.warmup) / max(total - s.warmup, 1)
+    """Linear warmup (at most a tenth of the run), then cosine decay to a tenth."""
+    warmup = max(1, min(s.warmup, total // 10))
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    done = (step - warmup) / max(total - warmup, 1)
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 

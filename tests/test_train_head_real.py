@@ -34,7 +34,7 @@ def test_a_head_trained_on_smollm2_drafts_held_out_prompts_and_stays_lossless(
     monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
     head = tmp_path / "head"
     summary = run(str(smollm2_gguf), ["mt-bench"], limit=TRAIN_PROMPTS, out=str(head),
-                  on_progress=lambda p: None, max_new_tokens=64, gen_batch=8,
+                  on_progress=lambda p: None, max_new_tokens=64, gen_batch=40,
                   draft_vocab=DRAFT_VOCAB, epochs=4, depth=3, batch_tokens=512, lr=1e-3)
     assert summary["prompts"] == TRAIN_PROMPTS and summary["answer_tokens"] > 1000
     # SmolLM2-135M: hidden 576, 30 layers, vocabulary 49152

@@ -262,3 +262,58 @@ def test_auto_with_a_head_folder_runs_the_head_and_a_draft_kind_refuses_it(deep_
     assert json.loads(capsys.readouterr().out)["drafter"] == "eagle3"
     assert main([*common, "--drafter", "draft"]) != 0
     assert "is an EAGLE head, not a draft model: use --drafter eagle3" in capsys.readouterr().err
+
+
+def test_norm_variants_and_qk_norms_load_and_apply(deep_target, heads, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from backends.torch.heads.eagle import RMSNorm
+
+    folder = tmp_path / "variant"
+    shutil.copytree(heads["speculators"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(norm_before_fc=True, fc_norm=True)
+    config["transformer_layer_config"]["model_type"] = "qwen3"
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(9)
+    tensors["input_norm.weight"] = 1 + torch.randn(96, generator=gen) * 0.3
+    for i in range(3):
+        tensors[f"fc_norm.{i}.weight"] = 1 + torch.randn(32, generator=gen) * 0.3
+    for name in ("q_norm", "k_norm"):
+        tensors[f"layers.0.self_attn.{name}.weight"] = 1 + torch.randn(8, generator=gen) * 0.3
+    save_file(tensors, str(folder / "model.safetensors"))
+    drafter = build(deep_target, folder, "speculators")
+    head, spec = drafter.head, drafter.spec
+    assert spec.norm_before_fc and spec.fc_norm and spec.qk_norm
+    states = [torch.randn(5, 32, generator=gen) for _ in range(3)]
+    chunks = []
+    for i, s in enumerate(states):
+        norm = RMSNorm(32, spec.rms_norm_eps)
+        norm.weight.data = tensors[f"fc_norm.{i}.weight"]
+        chunks.append(norm(s))
+    outer = RMSNorm(96, spec.rms_norm_eps)
+    outer.weight.data = tensors["input_norm.weight"]
+    expected = torch.nn.functional.linear(outer(torch.cat(chunks, -1)), tensors["fc.weight"])
+    torch.testing.assert_close(head.project(states), expected)
+    truth = plain(deep_target, PROMPT, 20)
+    done = list(SpecEngine(deep_target).generate(PROMPT, SamplingParams(max_new_tokens=20),
+                                                 drafter=drafter, k="auto"))[-1]
+    assert done.token_ids == truth
+
+
+def test_one_head_drafter_serves_a_conversation_on_one_engine(deep_target, heads):
+    """Calls share the engine's cached prefix (the prefill then covers only new tokens) and the
+    head's cache keeps what still matches: output stays plain decoding's, turn after turn."""
+    engine = SpecEngine(deep_target)
+    drafter = build(deep_target, heads["midlayer"], "midlayer", tree=True)
+    history = list(PROMPT)
+    for turn in range(3):
+        params = SamplingParams(max_new_tokens=10)
+        done = list(engine.generate(history, params, drafter=drafter, k=3))[-1]
+        assert done.token_ids == plain(deep_target, history, 10), turn
+        assert done.stats.n_cached_prompt_tokens > 0 or turn == 0
+        history = history + list(done.token_ids) + [7, 8, 9]

@@ -54,7 +54,7 @@ def test_draft_steps_one_and_two_match_the_authors_code(layout):
     head, spec, golden = loaded(layout)
     target = stub_target(golden)
     if spec.kind == "eagle":
-        head.target_head = target.hf.get_output_embeddings()
+        head.use_target_head(target.hf.get_output_embeddings())
     embed = head.embed_tokens or target.hf.get_input_embeddings()
     ids = golden["ids"]
     with torch.no_grad():

@@ -356,6 +356,10 @@ class TorchBackend:
                                      vocab_size=int(config.vocab_size),
                                      n_layers=target.n_layers, dtype=target.hf.dtype,
                                      device=target.device)
+        if target.dtype in QUANTIZED:
+            # a head's matmuls read their weights once per draft token, as the target's do:
+            # int8 halves that traffic, and drafts need no exactness
+            quantize_linears(head, target.dtype)
         return EagleDrafter(target, head, spec, tree=tree)
 
 

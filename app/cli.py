@@ -29,7 +29,8 @@ DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 ac
 DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
-    "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe")
+    "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe",
+    "app.train")
 SEED_LIMIT = 2**64  # numpy's generators take seeds in [0, 2**64)
 CLOSED_PIPE_EXIT = 141  # what a shell reports for a writer ended by SIGPIPE (128 + 13)
 

@@ -7,6 +7,8 @@ memory (app/catalogue/planner.py), array libraries.
 API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by default);
 `Catalogue.pair(pair_id) -> PairSpec` (unknown ids are refused with the known ids);
 `Catalogue.model(model_id)`; `Catalogue.draft_models_for(model)` (same family, smaller).
+Heads trained here (`specdeck train-head`) are listed in SPECDECK_HOME/trained.yaml, read after
+the shipped catalogue (same schema; their models have a `local` source: nothing to download).
 `PairSpec.status_note` is "" for a runnable pair and "needs <kind>" for a drafter kind
 that is listed but not implemented yet: such pairs are shown, never treated as broken.
 """
@@ -27,6 +29,7 @@ from app.catalogue.shipped import shipped_path
 from app.core.types import SpecdeckError
 
 CATALOGUE = shipped_path("models.yaml")
+TRAINED_CATALOGUE = "trained.yaml"  # under SPECDECK_HOME, written by `specdeck train-head`
 BACKENDS = ("torch", "mlx")
 KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists them all
 MODEL_KINDS = drafters.OWN_MODEL
@@ -91,7 +94,16 @@ class PypiSource:
         return self.file
 
 
-Source = HubSource | PypiSource
+@dataclass(frozen=True)
+class LocalSource:
+    """A model made on this machine (a trained head): installed already, never downloaded."""
+
+    format: str
+    size: int | None = None
+    kind: str = field(default="local", init=False)
+
+
+Source = HubSource | PypiSource | LocalSource
 
 
 @dataclass(frozen=True)
@@ -192,7 +204,28 @@ def load_catalogue(path: str | Path | None = None) -> Catalogue:
     if not isinstance(data, _Map):
         raise SpecdeckError(f"{path.name}:1: the catalogue must be a mapping with "
                             "'models' and 'pairs'")
+    if path == CATALOGUE:
+        _add_trained(data)
     return _catalogue(_Fields(data, path.name, ""), path)
+
+
+def _add_trained(data: _Map) -> None:
+    """Merge the trained heads' models and pairs (an id the shipped catalogue has is kept)."""
+    from app.store.layout import home
+
+    path = home() / TRAINED_CATALOGUE
+    try:
+        trained = yaml.load(path.read_text(encoding="utf-8"), Loader=_LineLoader)  # noqa: S506
+    except OSError:
+        return
+    except yaml.YAMLError as error:
+        raise SpecdeckError(f"{path} is not valid YAML ({error}): delete it and train the "
+                            "heads again") from error
+    for section in ("models", "pairs"):
+        entries = trained.get(section) if isinstance(trained, dict) else None
+        for key, value in (entries or {}).items():
+            if key not in data[section]:
+                data[section][key] = value
 
 
 # ---- YAML with line numbers ------------------------------------------------------------
@@ -362,11 +395,12 @@ def _source(entry: Any, parent: _Fields, where: str, line: int) -> Source:
     if fmt not in FORMAT_BITS:
         raise e.error(f"field 'format' must be one of {', '.join(FORMAT_BITS)} (got {fmt!r})",
                       "format")
-    kinds = [k for k in ("hub", "pypi") if k in entry]
+    kinds = [k for k in ("hub", "pypi", "local") if k in entry]
     if len(kinds) != 1:
-        raise e.error("a source has exactly one of 'hub' or 'pypi'")
+        raise e.error("a source has exactly one of 'hub', 'pypi' or 'local'")
     body = e.child(kinds[0], f"{where} {kinds[0]}")
-    source = _hub(body, fmt) if kinds[0] == "hub" else _pypi(body, fmt)
+    source = (_hub(body, fmt) if kinds[0] == "hub" else _pypi(body, fmt) if kinds[0] == "pypi"
+              else LocalSource(fmt))
     body.done()
     e.done()
     return source

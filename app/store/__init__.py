@@ -354,6 +354,9 @@ def _plan_download(model: ModelSpec, backend: str, source: str, report: Reporter
     sources = model.sources_for(backend)
     hubs = [s for s in sources if isinstance(s, HubSource)]
     mirrors = [s for s in sources if isinstance(s, PypiSource)]
+    if not hubs and not mirrors:
+        raise SpecdeckError(f"{model.id} was made on this machine and is gone: train it again "
+                            "with `specdeck train-head`")
     if source == "pypi" and not mirrors or source == "hub" and not hubs:
         other = "hub" if source == "pypi" else "pypi"
         raise SpecdeckError(f"{model.id} has no {source} source for {backend}: use --source "

@@ -22,6 +22,7 @@ from app import drafters
 from app.core.types import SpecdeckError
 from app.ui.chat import notice
 from app.ui.render import human_bytes
+from app.ui.train import build_train_controls
 from app.ui.workbench import Choice, Workbench
 
 COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "backends",
@@ -331,6 +332,7 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
             target = gr.Textbox(label="Target (HF folder or .gguf)", scale=3)
             draft = gr.Textbox(label="Draft model (optional, same tokenizer)", scale=3)
             load_files = gr.Button("Load files", variant="primary", scale=1)
+    build_train_controls(pair)
     outputs = [bar_component, loaded, table, models_notice]
     pair.change(lambda p: pair_details(bench, p), pair, details, queue=False)
     download.click(handlers.download, pair, [progress, table, models_notice],

@@ -1,0 +1,42 @@
+"""The draft vocabulary of an EAGLE-3 head: the target's most frequent tokens in its own answers.
+
+Knows: the EAGLE-3 mapping (HEADS.md 0.2; SafeAILab/EAGLE `traineagle3/cnets.py scandata`):
+the chosen ids sorted ascending, `d2t[i] = ids[i] - i` (target id = draft id + d2t), `t2d` a
+mask over the target vocabulary. Must not know: array libraries other than numpy, files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.core.types import SpecdeckError
+
+
+def draft_vocabulary(counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent token ids (ties: the lower id), sorted ascending.
+
+    Fewer distinct tokens than `size` were seen: the rest are the lowest ids not chosen yet.
+    Byte-pair vocabularies number their earliest (most common) merges first, so these are the
+    likeliest unseen tokens."""
+    vocab = len(counts)
+    if not 0 < size <= vocab:
+        raise SpecdeckError(f"--draft-vocab must be between 1 and the target's vocabulary "
+                            f"({vocab}); got {size}")
+    order = np.lexsort((np.arange(vocab), -counts))  # by count descending, then id
+    seen = order[counts[order] > 0][:size]
+    rest = np.setdiff1d(np.arange(vocab), seen, assume_unique=True)[:size - len(seen)]
+    return np.sort(np.concatenate([seen, rest]).astype(np.int64))
+
+
+def d2t_t2d(ids: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two tensors a head stores for its draft vocabulary `ids` (sorted ascending)."""
+    d2t = ids.astype(np.int64) - np.arange(len(ids), dtype=np.int64)
+    t2d = np.zeros(vocab, dtype=bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
+    """Share of the counted tokens the draft vocabulary holds."""
+    total = counts.sum()
+    return float(counts[ids].sum() / total) if total else 0.0

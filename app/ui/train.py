@@ -1,0 +1,89 @@
+"""Models tab: "train a head for this target", with the progress `specdeck train-head` prints.
+
+Knows: the controls (prompt sources, how many prompts), the worker thread that runs
+app.train.run and the progress it reports, shown as a bar in the page. Must not know: array
+libraries, the training itself.
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from app.core.types import SpecdeckError
+from app.train.progress import TrainProgress
+
+DEFAULT_SOURCES = "spec-bench"
+
+
+def progress_html(p: TrainProgress) -> str:
+    if p.phase in ("note", "saved"):
+        return f'<div class="sd-progress-note">{html.escape(p.message)}</div>'
+    return (f'<div class="sd-progress" data-phase="{p.phase}" data-done="{p.done}" '
+            f'data-total="{p.total}"><progress value="{p.done}" max="{max(p.total, 1)}">'
+            f'</progress> {html.escape(p.line())}</div>')
+
+
+def train_head(pair_id: str | None, sources: str, limit: float | None) -> Iterator[str]:
+    """Train an EAGLE-3 head for the pair's target; yields the progress HTML."""
+    from app.train import run
+
+    if not pair_id:
+        yield _note("pick a pair first: the head is trained for its target")
+        return
+    specs = [s.strip() for s in (sources or DEFAULT_SOURCES).split(",") if s.strip()]
+    count = int(limit) if limit else None
+    updates: queue.Queue[TrainProgress] = queue.Queue()
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["done"] = run(pair_id, specs, limit=count, on_progress=updates.put)
+        except SpecdeckError as error:
+            result["error"] = str(error)
+        except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
+            result["error"] = f"{type(error).__name__}: {error}"
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    while worker.is_alive() or not updates.empty():
+        try:
+            latest = updates.get(timeout=0.3)
+        except queue.Empty:
+            continue
+        while not updates.empty():  # show only the newest of a burst
+            latest = updates.get()
+        yield progress_html(latest)
+    if "error" in result:
+        yield _note(result["error"])
+        return
+    done = result["done"]
+    acc = " ".join(f"{a:.2f}" for a in done["held_out_accuracy"])
+    where = f"pair {done['pair']}" if "pair" in done else done["folder"]
+    yield (f'<div class="sd-progress" data-finished="true">head trained: {html.escape(where)}; '
+           f'held-out top-1 by depth {acc}</div>')
+
+
+def _note(text: str) -> str:
+    return f'<div class="sd-progress-note">{html.escape(text)}</div>'
+
+
+def build_train_controls(pair: Any) -> None:
+    """The accordion under the catalogue; call inside the Models tab's layout."""
+    with gr.Accordion("Train a head for this target", open=False):
+        gr.Markdown("The pair's target answers the prompts itself, then an EAGLE-3 head "
+                    "learns to draft its next tokens (`specdeck train-head`). The head is "
+                    "listed as the pair `<target>+eagle3-trained`.")
+        with gr.Row():
+            sources = gr.Textbox(DEFAULT_SOURCES, label="Prompts (bundled sets or files, "
+                                 "comma-separated)", scale=3)
+            limit = gr.Number(200, label="At most this many prompts", precision=0, scale=1)
+            start = gr.Button("Train head", elem_id="models-train", scale=1)
+        progress = gr.HTML("", elem_id="models-train-progress")
+    start.click(train_head, [pair, sources, limit], progress, concurrency_id="train",
+                concurrency_limit=1)

@@ -1,0 +1,137 @@
+"""Self-distillation data: the target answers prompts in batches, and the same forwards capture
+the three hidden states an EAGLE-3 head reads and the target's final state.
+
+Knows: transformers' generate with layer hooks, left padding, the EAGLE-3 default layers
+(HEADS.md 0.1: capture-before ids [2, N//2, N-3] = the inputs of those decoder layers), the
+shard files under a work folder and how to resume them. Must not know: the objective,
+optimizers, prompt sources (token ids come in).
+
+Shard `data/shard-NNNNN.safetensors`: `tokens` int32 [N] (the sequences back to back),
+`offsets` int64 [n+1], `prompt_len` int32 [n], `aux` [N, 3H] and `final` [N, H] in the
+target's dtype (row t: states of position t; the last token of a sequence was never fed, so
+its row is zero and never read).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass(frozen=True)
+class Example:
+    tokens: torch.Tensor      # int64 [L]
+    prompt_len: int
+    aux: torch.Tensor         # [L, 3H]
+    final: torch.Tensor       # [L, H] post-norm final state (the target's logits input)
+
+
+def capture_layers(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default layers, capture-before: the residual stream entering these layers."""
+    return (2, n_layers // 2, n_layers - 3)  # ascending and distinct from 7 layers up
+
+
+def generate_examples(hf: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      eos_ids: Sequence[int], pad_id: int) -> list[Example]:
+    """Greedy answers for one batch of prompts, with their captured states."""
+    layers = hf.model.layers
+    ids = capture_layers(len(layers))
+    grabbed: dict[str, list[torch.Tensor]] = {str(i): [] for i in ids}
+    grabbed["final"] = []
+    hooks = [layers[i].register_forward_pre_hook(_grab(grabbed[str(i)]), with_kwargs=True)
+             for i in ids]
+    hooks.append(hf.model.norm.register_forward_hook(
+        lambda _m, _a, out: grabbed["final"].append(out.detach())))
+    width = max(len(p) for p in prompts)
+    device = next(hf.parameters()).device
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts],
+                             device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    try:
+        with torch.inference_mode():
+            out = hf.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                              max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
+                              pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
+    finally:
+        for h in hooks:
+            h.remove()
+    aux = torch.cat([torch.cat(grabbed[str(i)], dim=1) for i in ids], dim=-1).cpu()
+    final = torch.cat(grabbed["final"], dim=1).cpu()
+    sequences = out.cpu() if isinstance(out, torch.Tensor) else out.sequences.cpu()
+    return [_example(sequences[b], width, len(p), aux[b], final[b], set(eos_ids))
+            for b, p in enumerate(prompts)]
+
+
+def _grab(store: list[torch.Tensor]) -> Callable[..., None]:
+    def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        store.append(hidden.detach())
+    return hook
+
+
+def _example(seq: torch.Tensor, width: int, prompt_len: int, aux: torch.Tensor,
+             final: torch.Tensor, eos: set[int]) -> Example:
+    answer = seq[width:].tolist()
+    end = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+    start = width - prompt_len
+    length = prompt_len + end
+    tokens = seq[start:start + length].to(torch.long)
+    rows = aux.shape[0] - start  # the forwards saw every token but the last
+    keep = min(length, rows)
+    a = aux.new_zeros((length, aux.shape[-1]))
+    f = final.new_zeros((length, final.shape[-1]))
+    a[:keep], f[:keep] = aux[start:start + keep], final[start:start + keep]
+    return Example(tokens, prompt_len, a, f)
+
+
+# ---- shards on disk --------------------------------------------------------------------
+
+
+def shard_path(work: Path, index: int) -> Path:
+    return work / "data" / f"shard-{index:05d}.safetensors"
+
+
+def save_shard(path: Path, examples: Sequence[Example]) -> None:
+    lengths = [len(e.tokens) for e in examples]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
+    tensors = {"tokens": torch.cat([e.tokens for e in examples]).to(torch.int32),
+               "offsets": offsets,
+               "prompt_len": torch.tensor([e.prompt_len for e in examples], dtype=torch.int32),
+               "aux": torch.cat([e.aux for e in examples]).contiguous(),
+               "final": torch.cat([e.final for e in examples]).contiguous()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)  # a shard exists whole or not at all: an interrupted one is redone
+
+
+def load_shard(path: Path) -> list[Example]:
+    t = load_file(str(path))
+    offsets = t["offsets"].tolist()
+    return [Example(t["tokens"][a:b].to(torch.long), int(t["prompt_len"][i]),
+                    t["aux"][a:b], t["final"][a:b])
+            for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
+
+
+def load_all(work: Path) -> Iterator[Example]:
+    for path in sorted((work / "data").glob("shard-*.safetensors")):
+        yield from load_shard(path)
+
+
+def write_manifest(work: Path, data: dict[str, Any]) -> None:
+    path = work / "data" / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def read_manifest(work: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((work / "data" / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

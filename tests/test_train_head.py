@@ -1,0 +1,258 @@
+"""`specdeck train-head`: captured states, the draft vocabulary, TTT training, checkpoints, the
+saved EAGLE-3 folder and its registration, on tiny random models (seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors import safe_open  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from app.train import prompts as training_prompts  # noqa: E402
+from app.train.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
+from backends.torch.heads.eagle import Eagle3Head, load_eagle_head  # noqa: E402
+from backends.torch.train_head import data, loop  # noqa: E402
+from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
+from backends.torch.train_head.ttt import ttt_step  # noqa: E402
+from tests.conftest import tiny_tokenizer  # noqa: E402
+
+VOCAB = 48
+LAYERS = 8  # so that EAGLE-3's layers 2, N//2 and N-3 differ
+
+
+def tiny_target(seed: int = 3) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=1, bos_token_id=0,
+                         tie_word_embeddings=False)
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)  # varied greedy answers from a random model
+    return hf
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[0, *rng.integers(2, VOCAB, size=int(rng.integers(3, 9))).tolist()] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def answers() -> list[data.Example]:
+    hf = tiny_target()
+    prompts = random_prompts(24)
+    return [e for i in range(0, 24, 8)
+            for e in data.generate_examples(hf, prompts[i:i + 8], 24, [1], 1)]
+
+
+def frozen_parts(hf: LlamaForCausalLM, head: Eagle3Head) -> loop.Frozen:
+    embed = torch.nn.Embedding.from_pretrained(hf.model.embed_tokens.weight.detach().clone())
+    return loop.Frozen(embed, hf.lm_head.weight.detach()[draft_ids(head)].float())
+
+
+def fresh_head(hf: LlamaForCausalLM, draft_vocab: int = 40, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = new_head(hf.config, torch.arange(VOCAB - draft_vocab, VOCAB))
+    start_from_target(head, hf.lm_head.weight.float(), hf.model.norm.weight.float())
+    return head
+
+
+def test_captured_states_are_the_inputs_of_layers_2_half_and_n_minus_3_under_left_padding():
+    hf = tiny_target()
+    prompts = [[0, 5, 7, 9, 11, 13], [0, 3, 4]]  # the second is left-padded by 3
+    examples = data.generate_examples(hf, prompts, 6, [1], 1)
+    assert data.capture_layers(LAYERS) == (2, 4, 5)
+    assert data.capture_layers(30) == (2, 15, 27)
+    for e, prompt in zip(examples, prompts):
+        assert e.tokens[:len(prompt)].tolist() == prompt and e.prompt_len == len(prompt)
+        with torch.no_grad():
+            hs = hf(e.tokens[None], output_hidden_states=True).hidden_states
+        fed = len(e.tokens) - 1  # the last token was never fed back
+        want = torch.cat([hs[i][0] for i in data.capture_layers(LAYERS)], dim=-1)
+        torch.testing.assert_close(e.aux[:fed], want[:fed], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(e.final[:fed], hs[LAYERS][0][:fed], atol=1e-5, rtol=1e-4)
+
+
+def test_draft_vocabulary_holds_the_most_frequent_tokens_sorted_with_offsets_and_mask():
+    counts = np.zeros(20, dtype=np.int64)
+    counts[[17, 3, 9]] = [50, 40, 40]
+    ids = draft_vocabulary(counts, 5)
+    assert ids.tolist() == [0, 1, 3, 9, 17]  # the 3 seen, then the lowest unseen ids
+    d2t, t2d = d2t_t2d(ids, 20)
+    assert (np.arange(5) + d2t).tolist() == ids.tolist()
+    assert np.all(np.diff(d2t) >= 0) and t2d.sum() == 5 and t2d[ids].all()
+
+
+def test_shard_files_give_back_the_same_examples(answers, tmp_path):
+    data.save_shard(data.shard_path(tmp_path, 0), answers[:5])
+    back = data.load_shard(data.shard_path(tmp_path, 0))
+    for a, b in zip(answers[:5], back):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
+
+
+def test_training_lowers_the_ttt_loss_and_raises_depth_one_accuracy(answers, tmp_path):
+    hf = tiny_target()
+    head = fresh_head(hf)
+    frozen = frozen_parts(hf, head)
+    settings = loop.LoopSettings(epochs=30, lr=3e-3, warmup=5, batch_tokens=256, depth=3,
+                                 save_every=1000)
+
+    def loss() -> float:
+        with torch.no_grad():
+            batch = loop.make_batch(answers, list(range(len(answers))), head.t2d, frozen, "cpu")
+            return float(ttt_step(head, frozen.embed, batch, 3).loss)
+
+    before, acc_before = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu", False)
+    loop.train(head, frozen, answers, settings, tmp_path, "cpu", False, lambda p: None)
+    after, acc_after = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu", False)
+    # the loss keeps the targets' entropy (soft targets); the part the head controls falls
+    assert after < before - 1.0
+    assert acc_before[0] < 0.2 and acc_after[0] > 0.6 and acc_after[2] > 0.5
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answers, tmp_path):
+    hf = tiny_target()
+    settings = loop.LoopSettings(epochs=2, lr=1e-3, warmup=2, batch_tokens=128, depth=2,
+                                 save_every=3)
+    whole = fresh_head(hf)
+    loop.train(whole, frozen_parts(hf, whole), answers, settings, tmp_path / "whole", "cpu",
+               False, lambda p: None)
+
+    def stop_at_5(p) -> None:
+        if p.phase == "train" and p.done == 5:
+            raise KeyboardInterrupt
+
+    cut = fresh_head(hf)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(cut, frozen_parts(hf, cut), answers, settings, tmp_path / "cut", "cpu",
+                   False, stop_at_5)
+    assert loop.has_checkpoint(tmp_path / "cut")
+    resumed = fresh_head(hf, seed=99)  # other starting weights: the checkpoint must replace them
+    summary = loop.train(resumed, frozen_parts(hf, resumed), answers, settings,
+                         tmp_path / "cut", "cpu", False, lambda p: None)
+    assert summary["steps"] > 5
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def save_target(folder: Path) -> Path:
+    tiny_target().save_pretrained(folder)
+    tokenizer = tiny_tokenizer(VOCAB)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_saved_head_has_the_eagle3_names_shapes_and_config_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
+    from app.train import run
+
+    target = save_target(tmp_path / "target")
+    jsonl = tmp_path / "prompts.jsonl"
+    rng = np.random.default_rng(1)
+    jsonl.write_text("".join(json.dumps({"prompt": " ".join(f"w{i}" for i in
+                                                            rng.integers(2, VOCAB, 6))}) + "\n"
+                             for _ in range(12)))
+    summary = run(str(target), [str(jsonl)], out=str(tmp_path / "head"), on_progress=lambda p: None,
+                  max_new_tokens=12, gen_batch=4, draft_vocab=32, device="cpu", dtype="float32",
+                  epochs=1, depth=2, batch_tokens=128)
+    folder = tmp_path / "head"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert config["vocab_size"] == VOCAB and config["draft_vocab_size"] == 32
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+        assert key in config
+    h, hd = 32, config["head_dim"]
+    want = {"fc.weight": [h, 3 * h], "midlayer.input_layernorm.weight": [h],
+            "midlayer.hidden_norm.weight": [h],
+            "midlayer.self_attn.q_proj.weight": [4 * hd, 2 * h],
+            "midlayer.self_attn.k_proj.weight": [2 * hd, 2 * h],
+            "midlayer.self_attn.v_proj.weight": [2 * hd, 2 * h],
+            "midlayer.self_attn.o_proj.weight": [h, 4 * hd],
+            "midlayer.post_attention_layernorm.weight": [h],
+            "midlayer.mlp.gate_proj.weight": [64, h], "midlayer.mlp.up_proj.weight": [64, h],
+            "midlayer.mlp.down_proj.weight": [h, 64], "norm.weight": [h],
+            "lm_head.weight": [32, h], "d2t": [32], "t2d": [VOCAB]}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert {k: list(f.get_slice(k).get_shape()) for k in f.keys()} == want
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 32
+    assert torch.equal(torch.arange(32) + d2t, torch.nonzero(t2d).flatten())
+    head, spec = load_eagle_head(folder, kind="eagle3", target_name="tiny", hidden_size=32,
+                                 vocab_size=VOCAB, n_layers=LAYERS)
+    assert spec.draft_vocab_size == 32 and torch.equal(head.d2t, d2t)
+    lines = (folder / training_prompts.PROMPTS_FILE).read_text().splitlines()
+    assert len(lines) == summary["prompts"] == 12
+    assert len(summary["held_out_accuracy"]) == 2
+
+
+def install_as_smollm2(tmp_path: Path) -> None:
+    """The tiny target installed in SPECDECK_HOME under SmolLM2's catalogue id."""
+    from app.store import layout
+
+    folder = save_target(tmp_path / "target")
+    files = sorted(p.name for p in folder.iterdir())
+    layout.install("smollm2-135m-instruct", "torch", [(folder / n, n, None) for n in files],
+                   load=".", source="pypi")
+
+
+def test_the_models_tab_trains_a_head_for_the_pairs_target_with_progress(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
+    from app.ui.train import train_head
+
+    install_as_smollm2(tmp_path)
+    pages = list(train_head("smollm2-135m+ngram", "mt-bench", 4))
+    assert any('data-phase="data"' in p for p in pages)
+    assert any('data-phase="train"' in p and "top-1 by depth" in p for p in pages)
+    assert 'data-finished="true"' in pages[-1]
+    assert "smollm2-135m-instruct+eagle3-trained" in pages[-1]
+    assert "pick a pair" in next(train_head(None, "mt-bench", 4))
+
+
+def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
+    from app import drafters, store
+    from app.catalogue import planner
+    from app.catalogue.registry import load_catalogue
+    from app.store import layout
+    from app.train import run
+
+    install_as_smollm2(tmp_path)
+    summary = run("smollm2-135m+ngram", ["mt-bench"], limit=6, on_progress=lambda p: None,
+                  max_new_tokens=8, gen_batch=3, draft_vocab=16, device="cpu",
+                  dtype="float32", epochs=1, depth=2, batch_tokens=128)
+    assert summary["pair"] == "smollm2-135m-instruct+eagle3-trained"
+    pair = load_catalogue().pair(summary["pair"])
+    assert pair.drafter_kind == "eagle3" and pair.target.id == "smollm2-135m-instruct"
+    head_path = layout.model_path(pair.drafter, "torch")
+    assert head_path is not None and (head_path / "model.safetensors").is_file()
+    assert (head_path / "prompts.jsonl").is_file()
+    row = next(r for r in store.list_pairs("torch") if r.pair.id == pair.id)
+    assert row.installed
+    assert store.check_model(pair.drafter, "torch").ok
+    plan = planner.plan("smollm2-135m-instruct", "torch", "cpu", memory=2**34,
+                        implemented=drafters.IMPLEMENTED,
+                        installed=lambda m: store.model_path(m, "torch"))
+    assert plan.choice.kind == "eagle3" and plan.choice.path == head_path
+
+
+def test_prompts_from_a_file_that_a_bundled_benchmark_holds_are_left_out(tmp_path):
+    from app.bench.prompts import load_prompts
+
+    bench = load_prompts("humaneval")[0].text
+    path = tmp_path / "mine.txt"
+    path.write_text("my own question\n\nanother one\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": bench}) + "\n"
+                                      + json.dumps({"prompt": "my own question"}) + "\n")
+    chosen = training_prompts.collect([str(tmp_path / "b.jsonl"), str(path)])
+    assert [p.text for p in chosen.prompts] == ["my own question", "another one"]
+    assert chosen.dropped_bench == 1

@@ -46,3 +46,16 @@ def test_bf16_on_cpu_keeps_speculative_output_equal_to_plain(smollm2_gguf, capsy
                      "--dtype", "bfloat16")
     assert plain["dtype"] == "bfloat16"
     assert draft["token_ids"] == plain["token_ids"] == ngram["token_ids"]
+
+
+@pytest.mark.parametrize("dtype", ["int4", "w8a8"])
+def test_quantized_cpu_modes_keep_speculative_output_equal_to_plain(smollm2_gguf, capsys,
+                                                                    dtype):
+    # fused q/k/v and gate/up projections, quantized, checked row-invariant at load
+    plain = run_json(capsys, smollm2_gguf, "--drafter", "none", "--dtype", dtype)
+    draft = run_json(capsys, smollm2_gguf, "--drafter", "draft", "--draft", str(smollm2_gguf),
+                     "--k", "5", "--dtype", dtype)
+    ngram = run_json(capsys, smollm2_gguf, "--drafter", "ngram", "--k", "auto", "--dtype", dtype)
+    assert plain["dtype"] == dtype and plain["n_new_tokens"] > 10
+    assert draft["token_ids"] == plain["token_ids"] == ngram["token_ids"]
+    assert draft["acceptance_rate"] == 1.0

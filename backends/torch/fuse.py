@@ -18,8 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-# projections that read the same input, in the order transformers' layers call them
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# (fused layer's name, projections that read the same input, in the order transformers'
+# layers call them)
+GROUPS = (("qkv_fused", ("q_proj", "k_proj", "v_proj")),
+          ("gate_up_fused", ("gate_proj", "up_proj")))
 
 
 class FusedProjection(torch.nn.Module):
@@ -62,12 +64,12 @@ def fuse_projections(model: torch.nn.Module) -> int:
     groups were fused. Run before quantizing."""
     fused = 0
     for module in list(model.modules()):
-        for names in GROUPS:
+        for fused_name, names in GROUPS:
             layers = [getattr(module, name, None) for name in names]
             if not _fusable(layers):
                 continue
             group = FusedProjection(_concatenated(layers), [lin.out_features for lin in layers])
-            module.add_module("_".join(n.removesuffix("_proj") for n in names) + "_fused", group)
+            module.add_module(fused_name, group)
             for index, name in enumerate(names):
                 setattr(module, name, ProjectionSlice(group, index))
             fused += 1

@@ -87,6 +87,10 @@ def main() -> None:
                 spent = draft_ms(model, prompt) if args.draft else verify_ms(sessions[c], n)
                 if round_:
                     times.setdefault((c, n), []).append(spent)
+        if round_:  # partial medians, so a run cut short still reports
+            print(json.dumps({"round": round_, "median_ms": {
+                f"{c} x{n}": round(statistics.median(v), 1) for (c, n), v in times.items()}}),
+                flush=True)
     for c, model in models.items():
         ns = [1] if args.draft else list(rows)
         print(json.dumps({

@@ -49,6 +49,11 @@ _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat1
 BATCH_INVARIANT_ROWS = 2
 # int4's bits per weight: 4-bit codes plus a bf16 scale and zero per group of 32
 INT4_BITS = 5.0
+# whether auto may pick int4 for a source of INT4_BITS or fewer. Off until whole-model decode
+# is measured faster than w8a8: so far only the 1.5B Qwen's linears were (16 layers, 1 row
+# 1.3x, 9 rows 1.2x, on a 2-core machine oversubscribed about 6x); the whole-model runs were
+# killed for memory on the shared machine
+AUTO_INT4 = False
 # forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
 # prefills, computed alike in plain and speculative decoding
 MAX_VERIFY_ROWS = torch_attention.MAX_ROWWISE_ROWS
@@ -95,7 +100,7 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
         base = "bfloat16" if cpu_has_native_bf16() else "float32"
         return base, f"{base}: a 16-bit or wider source stays unquantized"
     name, bits = source
-    if bits and bits <= INT4_BITS and int4_is_available() and int4_is_exact():
+    if AUTO_INT4 and bits and bits <= INT4_BITS and int4_is_available() and int4_is_exact():
         return "int4", (f"int4: the {name} source has {bits} bits per weight; 4-bit weights "
                         "(groups of 32) decode fastest and passed the row check on this CPU")
     if bits and bits <= 8.5 and w8a8_is_exact():

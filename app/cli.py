@@ -24,8 +24,9 @@ from app.core.types import Done, SamplingParams, SpecdeckError, Step
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
-DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations) or "
-              "w8a8 (int8 weights and per-token int8 activations: the fastest on CPU)")
+DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations), "
+              "w8a8 (int8 weights and per-token int8 activations) or int4 (4-bit weights, CPU); "
+              "auto on CPU: the fastest mode no coarser than the model file (--json says why)")
 DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
@@ -237,6 +238,7 @@ def result_json(done: Done, loaded: Any) -> dict[str, Any]:
         "backend": loaded.backend_name,
         "device": engine.target.device,
         "dtype": engine.target.dtype,
+        "dtype_reason": getattr(engine.target, "dtype_reason", ""),
         "target": engine.target.name,
         "from_draft": list(done.from_draft),
     }

@@ -17,7 +17,8 @@ from app.drafters.ngram import NgramDrafter
 from backends.torch import backend as torch_backend
 from backends.torch.attention import NAME, rowwise_sdpa
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
-from backends.torch.quant import W8A8Linear, w8a8_is_exact
+from backends.torch.fuse import FusedProjection, ProjectionSlice, fuse_projections
+from backends.torch.quant import Int4Linear, W8A8Linear, quantize_linear, w8a8_is_exact
 from tests.conftest import save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -77,6 +78,7 @@ def _cpu_has_vnni() -> bool:
 
 
 @pytest.mark.parametrize("dtype, rows", [("int8", 1), pytest.param("w8a8", 1, marks=EXACT_W8A8),
+                                         ("int4", 1),
                                          pytest.param("bfloat16", 2,
                                                                    marks=NATIVE_BF16)])
 def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder, dtype, rows):
@@ -93,8 +95,9 @@ def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder,
         session.rewind(len(PROMPT))
 
 
-@pytest.mark.parametrize("dtype", ["int8", W8A8])
-def test_an_int8_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder, dtype):
+@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4"])
+def test_a_quantized_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder,
+                                                                               dtype):
     target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
     params = SamplingParams(max_new_tokens=40)
     plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
@@ -139,7 +142,7 @@ def test_w8a8_is_refused_with_the_fix_where_the_int8_matmul_saturates(tiny_folde
         TorchBackend().load(str(tiny_folder), device="cpu", dtype="w8a8")
 
 
-@pytest.mark.parametrize("dtype", ["int8", W8A8])
+@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4"])
 def test_a_quantized_drafter_restricted_to_part_of_the_vocabulary_keeps_the_output(
         target, tiny_folder, dtype):
     draft = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
@@ -148,3 +151,49 @@ def test_a_quantized_drafter_restricted_to_part_of_the_vocabulary_keeps_the_outp
     plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
     assert list(SpecEngine(target, drafter, k=4).generate(PROMPT, params))[-1].token_ids == \
         plain.token_ids
+
+
+def test_an_int4_layer_stays_within_4_bit_rounding_of_the_float_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    x = torch.randn(5, 256)
+    ours = Int4Linear.quantize(linear)(x).float()
+    reference = linear(x).detach()
+    assert (ours - reference).abs().max() < 0.1 * reference.abs().max()
+    assert (ours - reference).abs().mean() < 0.03 * reference.abs().mean() * 4
+
+
+def test_int4_is_refused_off_the_cpu_with_the_fix(tiny_folder):
+    with pytest.raises(SpecdeckError, match="CPU only"):
+        torch_backend.resolve_dtype("int4", "cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8", W8A8, "int4"])
+def test_fused_projections_answer_as_the_separate_projections_did(dtype):
+    torch.manual_seed(0)
+    attention = torch.nn.Module()
+    for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        attention.add_module(name, torch.nn.Linear(64, out, bias=True))
+    x = torch.randn(3, 64)
+    separate = {n: getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj")}
+    if dtype != "float32":
+        separate = {n: quantize_linear(lin, dtype, is_head=False) for n, lin in separate.items()}
+    expected = {n: lin(x) for n, lin in separate.items()}
+    assert fuse_projections(attention) == 1
+    assert isinstance(attention.q_proj, ProjectionSlice)
+    if dtype != "float32":
+        attention.qkv_fused.layer = quantize_linear(attention.qkv_fused.layer, dtype, is_head=False)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        if dtype == "float32":
+            torch.testing.assert_close(getattr(attention, name)(x), expected[name])
+        else:  # per-channel or per-group codes: each output keeps its own; the sums are exact
+            assert torch.equal(getattr(attention, name)(x), expected[name]), name
+
+
+def test_a_fused_projection_recomputes_for_a_new_input_and_forgets_after_its_last_part():
+    layer = torch.nn.Linear(4, 6)
+    fused = FusedProjection(layer, [4, 2])
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(fused.part(a, 0), layer(a)[:, :4])
+    torch.testing.assert_close(fused.part(b, 1), layer(b)[:, 4:])  # not a's cached result
+    assert fused._output is None

@@ -20,7 +20,7 @@ BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_native_bf16(), reason="bf16 row invariance is claimed where bf16 is native"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates: specdeck refuses w8a8"))
-DTYPES = ["float32", BF16, "int8", W8A8]
+DTYPES = ["float32", BF16, "int8", W8A8, "int4"]
 
 
 @pytest.fixture(scope="module")

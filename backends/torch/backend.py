@@ -21,20 +21,40 @@ from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
 from backends import cpu_has_native_bf16
 from backends.gguf import hf_folder
+from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
 from backends.torch.exactness import exact_row_block, linear_layers
-from backends.torch.quant import Int8Linear, W8A8Linear, quantize_linears, w8a8_is_exact
+from backends.torch.fuse import fuse_projections
+from backends.torch.quant import (
+    Int4Linear,
+    Int8Linear,
+    W8A8Linear,
+    int4_is_available,
+    int4_is_exact,
+    quantize_linears,
+    w8a8_is_exact,
+)
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
-# too (per token), on oneDNN's kernels (CPU only). Their other tensors are bf16.
-QUANTIZED = ("int8", "w8a8")
-_DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "float32": torch.float32,
+# too (per token), on oneDNN's kernels (CPU only); int4: 4-bit weights in groups of 32 with
+# bf16 activations (CPU only), the output layer in 8 bits. Their other tensors are bf16.
+QUANTIZED = ("int8", "w8a8", "int4")
+CPU_ONLY = ("w8a8", "int4")
+_DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat16,
+           "float32": torch.float32,
            "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 # oneDNN's bf16 matmul takes another path for a single row (2-9 rows gave the same bits per
 # row): padding every forward to 2 rows, with attention made row-invariant by
 # backends/torch/attention.py, makes plain and speculative decoding share numerics.
 BATCH_INVARIANT_ROWS = 2
+# int4's bits per weight: 4-bit codes plus a bf16 scale and zero per group of 32
+INT4_BITS = 5.0
+# whether auto may pick int4 for a source of INT4_BITS or fewer. Off until whole-model decode
+# is measured faster than w8a8: so far only the 1.5B Qwen's linears were (16 layers, 1 row
+# 1.3x, 9 rows 1.2x, on a 2-core machine oversubscribed about 6x); the whole-model runs were
+# killed for memory on the shared machine
+AUTO_INT4 = False
 # forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
 # prefills, computed alike in plain and speculative decoding
 MAX_VERIFY_ROWS = torch_attention.MAX_ROWWISE_ROWS
@@ -59,14 +79,37 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16, "
-                            "int8 or w8a8")
-    if dtype == "w8a8" and device != "cpu":
-        raise SpecdeckError("--dtype w8a8 runs on the CPU only: use --device cpu, or bfloat16 "
-                            "on a GPU")
+                            "int8, w8a8 or int4")
+    if dtype in CPU_ONLY and device != "cpu":
+        raise SpecdeckError(f"--dtype {dtype} runs on the CPU only: use --device cpu, or "
+                            "bfloat16 on a GPU")
+    if dtype == "int4" and not int4_is_available():
+        raise SpecdeckError(f"this PyTorch ({torch.__version__}) has no int4 CPU matmul: use "
+                            "--dtype w8a8, or PyTorch 2.6 or newer")
     if dtype == "w8a8" and not w8a8_is_exact():
         raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
                             "lossless: use --dtype int8 (weight-only) instead")
     return _DTYPES[dtype]
+
+
+def auto_cpu_dtype(path: Path) -> tuple[str, str]:
+    """(dtype, why) for --dtype auto on the CPU: the fastest mode whose weights are no coarser
+    than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
+    decoding: see docs/ARCHITECTURE.md, CPU dtypes)."""
+    source = file_type(path) if path.suffix == ".gguf" else None
+    if source is None:
+        base = "bfloat16" if cpu_has_native_bf16() else "float32"
+        return base, f"{base}: a 16-bit or wider source stays unquantized"
+    name, bits = source
+    if AUTO_INT4 and bits and bits <= INT4_BITS and int4_is_available() and int4_is_exact():
+        return "int4", (f"int4: the {name} source has {bits} bits per weight; 4-bit weights "
+                        "(groups of 32) decode fastest and passed the row check on this CPU")
+    if bits and bits <= 8.5 and w8a8_is_exact():
+        return "w8a8", (f"w8a8: the {name} source has {bits} bits per weight; int8 weights "
+                        "and activations pass the exactness check on this CPU")
+    base = "bfloat16" if cpu_has_native_bf16() else "float32"
+    return base, f"{base}: the {name} source is finer than 8 bits per weight, or no int8 " \
+                 "matmul is exact on this CPU"
 
 
 class TorchSession:
@@ -235,6 +278,7 @@ class TorchModel:
         self.name = name
         self.device = device
         self.dtype = str(hf.dtype).removeprefix("torch.")
+        self.dtype_reason = ""  # why load chose this dtype (shown by --json and the UI)
         config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         head = hf.get_output_embeddings()
         self.vocab_size = int(head.out_features)
@@ -293,7 +337,8 @@ class TorchModel:
 
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
-        packed = sum(m.packed_bytes() for m in self.hf.modules() if isinstance(m, W8A8Linear))
+        packed = sum(m.packed_bytes() for m in self.hf.modules()
+                     if isinstance(m, (W8A8Linear, Int4Linear)))
         return packed + sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
@@ -309,6 +354,9 @@ class TorchBackend:
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> TorchModel:
         device = resolve_device(device)
+        why = f"--dtype {dtype}"
+        if dtype == "auto" and device == "cpu":
+            dtype, why = auto_cpu_dtype(Path(path))
         torch_dtype = resolve_dtype(dtype, device)
         folder = str(hf_folder(Path(path)))
         hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
@@ -322,6 +370,7 @@ class TorchBackend:
             raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
                                 "folder holds config.json, weights and tokenizer files, or "
                                 "re-download it with `specdeck pull`") from error
+        fuse_projections(hf)  # before quantizing: the fused layers are quantized as one
         if dtype in QUANTIZED:
             quantize_linears(hf, dtype)
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
@@ -329,6 +378,7 @@ class TorchBackend:
         if dtype in QUANTIZED:
             model.dtype = dtype
             model.min_rows = 1  # their matmuls give a row the same bits for any row count
+        model.dtype_reason = why
         model.check_exactness()
         return model
 

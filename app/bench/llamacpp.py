@@ -256,6 +256,7 @@ class LlamaRunner:
     def describe(self) -> dict[str, Any]:
         return {"llama_cpp": {"command": self.command, "url": self.engine.base_url},
                 "unreported": ["acceptance_per_position", "draft_s", "verify_s", "other_s",
+                               "overhead_ms_per_step", "speculation_off_steps",
                                "peak_memory_bytes"],
                 "note": "decode tok/s from llama-server's own timings; e2e tok/s measured "
                         "by the client, HTTP included; identical compares with llama.cpp "

@@ -22,6 +22,7 @@ from app.bench.report import format_table, summary_line
 from app.bench.run import BenchPrompt, BenchSettings
 from app.cli import main
 from app.core.types import SamplingParams, SpecdeckError
+from app.loading import encode_prompt
 from backends.torch.backend import TorchBackend
 from tests.conftest import tiny_llama
 from tests.test_bench import REPORT_SCHEMA, SUMMARY_SCHEMA
@@ -50,13 +51,6 @@ def prompts(n: int) -> list[BenchPrompt]:
             for i in range(n)]
 
 
-@pytest.fixture
-def requests_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    log = tmp_path / "requests.jsonl"
-    monkeypatch.setenv("FAKE_LLAMA_REQUESTS", str(log))
-    return log
-
-
 def compare(tmp_path: Path, ks=(2,)) -> llamacpp.LlamaCompare:
     binary = llamacpp.probe(fake_binary(tmp_path))
     target, draft = ggufs(tmp_path)
@@ -73,8 +67,19 @@ def bench_with_llama(tmp_path: Path, ks=(2,)) -> dict:
         llama.close()
 
 
-def test_llama_cpp_plain_and_draft_join_the_table_and_the_json_line(tmp_path, requests_log):
-    report = bench_with_llama(tmp_path)
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    """One bench with the stand-in servers: its report and the request bodies they got."""
+    folder = tmp_path_factory.mktemp("llama")
+    log = folder / "requests.jsonl"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FAKE_LLAMA_REQUESTS", str(log))
+        report = bench_with_llama(folder)
+    return report, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_llama_cpp_plain_and_draft_join_the_table_and_the_json_line(llama_run):
+    report, _ = llama_run
     import jsonschema
 
     jsonschema.validate(report, REPORT_SCHEMA)
@@ -90,21 +95,20 @@ def test_llama_cpp_plain_and_draft_join_the_table_and_the_json_line(tmp_path, re
     json.dumps(report)
 
 
-def test_llama_runs_interleave_prompt_by_prompt_with_specdecks(tmp_path, requests_log):
-    report = bench_with_llama(tmp_path)
+def test_llama_runs_interleave_prompt_by_prompt_with_specdecks(llama_run):
+    report, _ = llama_run
     order = [r["config"] for r in report["runs"]]
     first, second = order[:4], order[4:8]
     assert first == second[::-1]  # A B C D, then D C B A: drift cancels
     assert set(first) == {"plain", "ngram k=2", "llama.cpp plain", "llama.cpp draft k=2"}
 
 
-def test_each_llama_request_carries_plains_token_ids_greedy_without_prompt_cache(
-        tmp_path, requests_log):
-    report = bench_with_llama(tmp_path)
-    bodies = [json.loads(line) for line in requests_log.read_text().splitlines()]
+def test_each_llama_request_carries_plains_token_ids_greedy_without_prompt_cache(llama_run):
+    _, bodies = llama_run
     assert len(bodies) == 8  # 4 prompts x (plain, draft)
-    plain_prompts = {r["prompt_id"]: None for r in report["runs"]}
-    assert len(plain_prompts) == 4
+    tokenizer = tiny_llama(seed=1).tokenizer  # no chat template: bench encodes plain text
+    encoded = {tuple(encode_prompt(tokenizer, p.text, chat=False)) for p in prompts(4)}
+    assert {tuple(b["prompt"]) for b in bodies} == encoded
     for body in bodies:
         assert isinstance(body["prompt"], list) and body["max_tokens"] == 12
         assert body["temperature"] == 0 and body["top_k"] == 0 and body["min_p"] == 0
@@ -115,8 +119,8 @@ def test_each_llama_request_carries_plains_token_ids_greedy_without_prompt_cache
         == [2] * 4
 
 
-def test_llama_token_ids_come_back_and_its_draft_equals_its_plain(tmp_path, requests_log):
-    report = bench_with_llama(tmp_path)
+def test_llama_token_ids_come_back_and_its_draft_equals_its_plain(llama_run):
+    report, _ = llama_run
     runs = [r for r in report["runs"] if r["config"].startswith("llama.cpp")]
     assert all(len(r["token_ids"]) == r["n_new_tokens"] == 12 for r in runs)
     draft = next(c for c in report["configs"] if c["name"] == "llama.cpp draft k=2")
@@ -126,7 +130,7 @@ def test_llama_token_ids_come_back_and_its_draft_equals_its_plain(tmp_path, requ
 
 
 def test_a_llama_draft_that_parts_from_its_plain_is_reported_not_identical(
-        tmp_path, requests_log, monkeypatch):
+        tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_DIVERGE", "3")
     report = bench_with_llama(tmp_path)
     draft = next(c for c in report["configs"] if c["name"] == "llama.cpp draft k=2")

@@ -152,6 +152,18 @@ def test_an_older_llama_server_gets_its_own_draft_flags(tmp_path, monkeypatch):
         llama.close()
 
 
+def test_a_draft_server_that_cannot_start_leaves_plain_running_and_says_why(tmp_path):
+    binary = llamacpp.probe(fake_binary(tmp_path))
+    target, _ = ggufs(tmp_path)
+    llama = llamacpp.LlamaCompare(binary, target, str(tmp_path / "gone.gguf"), (4,), threads=1,
+                                  log_dir=tmp_path)
+    try:
+        assert [r.config.name for r in llama.runners] == ["llama.cpp plain"]
+        assert "failed to load model" in llama.unavailable["llama.cpp draft"]
+    finally:
+        llama.close()
+
+
 def test_new_llama_server_flags_name_the_draft_model_and_its_type(tmp_path):
     binary = llamacpp.probe(fake_binary(tmp_path))
     args = llamacpp.server_args(binary, "t.gguf", 1234, 2, draft="d.gguf")

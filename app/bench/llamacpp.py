@@ -289,8 +289,12 @@ class LlamaCompare:
         if draft is None:
             self.unavailable["llama.cpp draft"] = "needs a draft model (--draft or --pair)"
             return
-        spec = self._server("draft", server_args(self.binary, target, free_port(), threads,
-                                                 draft), folder, log)
+        try:
+            spec = self._server("draft", server_args(self.binary, target, free_port(), threads,
+                                                     draft), folder, log)
+        except SpecdeckError as error:  # e.g. a draft model whose vocabulary llama.cpp refuses
+            self.unavailable["llama.cpp draft"] = str(error)
+            return
         lengths = [k for k in dict.fromkeys(ks) if isinstance(k, int) and k > 0]
         if not lengths or self.binary.flags.n_max is None:
             self.runners.append(self._runner("llama.cpp draft", "llama.cpp-draft", "default",

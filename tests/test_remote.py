@@ -380,3 +380,60 @@ def test_ui_chat_through_a_server_without_statistics_says_what_it_cannot_show() 
     assert "did not report" in stats and ">?<" in stats
     race_error = pytest.raises(SpecdeckError, bench.engine, "ngram", 4)
     assert "needs a local model" in str(race_error.value)
+
+
+# ---- a real engine nobody here wrote: llama-server on SmolLM2's GGUF (slow) -----------------
+
+@pytest.fixture(scope="module")
+def llama_servers(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """llama-server plain and with SmolLM2 drafting for itself; skips without llama-server."""
+    from app.bench import llamacpp
+    from tests.test_bench_llamacpp import real_llama_server
+
+    binary = llamacpp.probe(real_llama_server())
+    logs = tmp_path_factory.mktemp("llama")
+    servers = []
+    try:
+        for name, draft in (("plain", None), ("draft", str(smollm2_gguf))):
+            args = llamacpp.server_args(binary, str(smollm2_gguf), llamacpp.free_port(), 2,
+                                        draft=draft)
+            servers.append(llamacpp.start_server(binary, args, logs / f"{name}.log"))
+        yield {"plain": servers[0].url, "draft": servers[1].url}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.slow
+def test_llama_server_stream_gives_the_token_ids_of_its_text(llama_servers) -> None:
+    engine = connect(llama_servers["plain"], extra={"cache_prompt": False})
+    try:
+        assert engine.kind == "llama.cpp" and engine.target.name.endswith(".gguf")
+        ids = httpx.post(llama_servers["plain"] + "/tokenize",
+                         json={"content": "def fibonacci(n):"}).json()["tokens"]
+        _, done = run(engine.generate(ids, SamplingParams(max_new_tokens=24)))
+    finally:
+        engine.close()
+    assert done.error is None and done.stop_reason in ("length", "eos")
+    assert len(done.token_ids) == done.stats.n_new_tokens > 0
+    text = httpx.post(llama_servers["plain"] + "/detokenize",
+                      json={"tokens": list(done.token_ids)}).json()["content"]
+    assert text == done.text
+
+
+@pytest.mark.slow
+def test_llama_server_drafting_for_itself_reports_acceptance_and_equals_plain(
+        llama_servers) -> None:
+    outputs = {}
+    for name, url in llama_servers.items():
+        engine = connect(url, extra={"cache_prompt": False})
+        try:
+            _, outputs[name] = run(engine.chat([{"role": "user", "content": "Count to 20."}],
+                                               SamplingParams(max_new_tokens=40)))
+        finally:
+            engine.close()
+    draft = outputs["draft"].stats
+    assert draft.drafted > 0 and draft.accepted > 0.5 * draft.drafted
+    assert draft.mean_accepted_length > 1.0
+    assert outputs["plain"].stats.drafted == 0
+    assert outputs["draft"].text == outputs["plain"].text  # greedy speculation is lossless

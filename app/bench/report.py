@@ -62,12 +62,16 @@ def summary_line(report: dict[str, Any]) -> dict[str, Any]:
             key: o.get(key) for key in ("decode_tok_s", "speedup_median", "speedup_total",
                                         "e2e_speedup_median", "tau", "acceptance_rate",
                                         "overhead_ms_per_step", "speculation_off_steps",
-                                        "identical", "speedup_vs_hf_plain")}
-    return {"schema": SCHEMA, "target": s["target"], "draft": s["draft"],
+                                        "identical", "speedup_vs_hf_plain",
+                                        "speedup_vs_own_plain", "e2e_tok_s")}
+    line = {"schema": SCHEMA, "target": s["target"], "draft": s["draft"],
             "n_prompts": s["n_prompts"], "max_new_tokens": s["max_new_tokens"],
             "temperature": s["temperature"],
             "machine": f"{m['cpu']}, {m['cores']} cores, {m['backend']} {m['device']} {m['dtype']}",
             "results": results}
+    if report.get("versus"):
+        line["versus_llama_cpp"] = report["versus"]
+    return line
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -104,9 +108,23 @@ def format_table(report: dict[str, Any]) -> str:
     if hf:
         lines.append("HF transformers, speedup vs its own plain generate (median): "
                      + ", ".join(hf))
+    lines += _versus_lines(report.get("versus"))
     lines += [f"unavailable: {c['name']}: {c['reason']}"
               for c in report["configs"] if not c["available"]]
     return "\n".join(lines)
+
+
+def _versus_lines(versus: dict[str, Any] | None) -> list[str]:
+    """specdeck against llama.cpp, same run: median of same-prompt tok/s ratios."""
+    if not versus:
+        return []
+
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    return [f"specdeck vs llama.cpp, {which} ({v['specdeck']} / {v['llama.cpp']}, "
+            f"{v['n_prompts']} prompts): e2e {x(v['e2e_ratio'])}, decode {x(v['decode_ratio'])}"
+            for which, v in versus.items()]
 
 
 def _off_note(o: dict[str, Any]) -> str:

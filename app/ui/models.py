@@ -9,8 +9,6 @@ formats, sources.
 from __future__ import annotations
 
 import html
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -20,6 +18,7 @@ import pandas as pd
 
 from app import drafters
 from app.core.types import SpecdeckError
+from app.ui.background import Background
 from app.ui.chat import notice
 from app.ui.render import human_bytes
 from app.ui.train import build_train_controls
@@ -236,32 +235,15 @@ class ModelsHandlers:
             yield gr.skip(), gr.skip(), notice(f"{pair_id} {status.note}: that drafter kind is "
                                                "not built yet, so there is nothing to run")
             return
-        updates: queue.Queue[Any] = queue.Queue()
-        result: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                result["done"] = store.pull(pair_id, progress=updates.put,
-                                            backend=_store_backend(self.bench), verify=verify)
-            except SpecdeckError as error:
-                result["error"] = str(error)
-            except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
-                result["error"] = f"{type(error).__name__}: {error}"
-
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
-        while worker.is_alive() or not updates.empty():
-            try:
-                latest = updates.get(timeout=0.3)
-            except queue.Empty:
-                continue
-            while not updates.empty():  # show only the newest of a burst
-                latest = updates.get()
+        backend = _store_backend(self.bench)
+        job = Background(lambda report: store.pull(pair_id, progress=report, backend=backend,
+                                                   verify=verify))
+        for latest in job:
             yield progress_html(latest), gr.skip(), notice("")
-        if "error" in result:
-            yield gr.skip(), _catalogue_or_empty(self.bench), notice(result["error"])
+        if job.error is not None:
+            yield gr.skip(), _catalogue_or_empty(self.bench), notice(job.error)
             return
-        done = result["done"]
+        done = job.done
         text = (store.pull_summary(done, verify=True) if verify else
                 f"{pair_id} is ready: {human_bytes(done.bytes_downloaded)} in "
                 f"{done.seconds:.0f} s. Press Load.")

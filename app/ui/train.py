@@ -8,15 +8,13 @@ libraries, the training itself.
 from __future__ import annotations
 
 import html
-import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import gradio as gr
 
-from app.core.types import SpecdeckError
 from app.train.progress import TrainProgress
+from app.ui.background import Background
 
 DEFAULT_SOURCES = "spec-bench"
 
@@ -38,31 +36,13 @@ def train_head(pair_id: str | None, sources: str, limit: float | None) -> Iterat
         return
     specs = [s.strip() for s in (sources or DEFAULT_SOURCES).split(",") if s.strip()]
     count = int(limit) if limit else None
-    updates: queue.Queue[TrainProgress] = queue.Queue()
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            result["done"] = run(pair_id, specs, limit=count, on_progress=updates.put)
-        except SpecdeckError as error:
-            result["error"] = str(error)
-        except Exception as error:  # noqa: BLE001 - shown in the page; the app stays up
-            result["error"] = f"{type(error).__name__}: {error}"
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    while worker.is_alive() or not updates.empty():
-        try:
-            latest = updates.get(timeout=0.3)
-        except queue.Empty:
-            continue
-        while not updates.empty():  # show only the newest of a burst
-            latest = updates.get()
+    job = Background(lambda report: run(pair_id, specs, limit=count, on_progress=report))
+    for latest in job:
         yield progress_html(latest)
-    if "error" in result:
-        yield _note(result["error"])
+    if job.error is not None:
+        yield _note(job.error)
         return
-    done = result["done"]
+    done = job.done
     acc = " ".join(f"{a:.2f}" for a in done["held_out_accuracy"])
     where = f"pair {done['pair']}" if "pair" in done else done["folder"]
     yield (f'<div class="sd-progress" data-finished="true">head trained: {html.escape(where)}; '

@@ -30,6 +30,16 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI, AVX-VNNI or AMX-INT8: where oneDNN's int8 matmul does not saturate, so
+    torch's `--dtype auto` may run a quantized source as w8a8 (its load check decides)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
 def detect_backend() -> str:
     """MLX on Apple silicon, torch elsewhere (CUDA when present, else CPU)."""
     apple = platform.system() == "Darwin" and platform.machine() == "arm64"

@@ -75,6 +75,7 @@ def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_comp
 def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_context(
         catalogue, monkeypatch):
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
+    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)  # nor VNNI: float32
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
                            16 * GB, 4096)
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
@@ -88,21 +89,37 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
 
 def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue):
     torch_backend = pytest.importorskip("backends.torch.backend")
-    runs = str(torch_backend.resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    from backends.torch.quant import w8a8_is_exact
+
+    unquantized = str(torch_backend.resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    # a Q4_K GGUF runs w8a8 where the int8 check passes (auto_cpu_dtype), else unquantized
+    runs = "w8a8" if w8a8_is_exact() else unquantized
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     assert fit.dtype == runs
-    assert fit.target_kv_per_token == 57_344 // (2 if runs == "bfloat16" else 1)
+    assert planner.dtype_for("torch", "cpu", "safetensors-bf16") == unquantized
+    assert fit.target_kv_per_token == 57_344 // (1 if runs == "float32" else 2)
 
 
 def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeypatch):
     pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
+    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)
     fp32 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: True)
     bf16 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     assert bf16.target_weights_bytes * 2 == fp32.target_weights_bytes
+
+
+def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(catalogue,
+                                                                           monkeypatch):
+    monkeypatch.setattr("backends.cpu_has_vnni", lambda: True)
+    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+                           4096)
+    assert fit.dtype == "w8a8"
+    assert fit.target_weights_bytes == catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
+    assert fit.target_kv_per_token == 57_344 // 2
 
 
 def test_an_ngram_drafter_costs_no_context():
@@ -220,6 +237,7 @@ def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue)
 def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path, catalogue,
                                                                        monkeypatch):
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # float32 weights
+    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
     folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
     info = planner.describe(str(folder), catalogue)
     assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"

@@ -63,7 +63,9 @@ PREFERENCE = (
 )
 HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
 MODEL_FREE = frozenset({"lookahead", "ngram"})
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1}  # weights
+QUANTIZED = ("w8a8",)  # int8 weights (per channel scales are noise), bf16 KV cache
+W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
 
 
 @dataclass(frozen=True)
@@ -176,16 +178,27 @@ def resolve_device(backend: str, device: str = "auto") -> str:
     return device
 
 
-def dtype_for(backend: str, device: str) -> str:
-    """The dtype `--dtype auto` loads weights and KV cache in: MLX float16; torch bfloat16 on
-    CUDA and on CPUs with native bf16, else float32 (the torch backend decides the same way)."""
-    from backends import cpu_has_native_bf16
+def dtype_for(backend: str, device: str, fmt: str | None = None,
+              bits: float | None = None) -> str:
+    """The dtype `--dtype auto` loads weights in: MLX float16; torch w8a8 on a CPU with VNNI
+    for a source of 8.5 bits per weight or fewer (a quantized GGUF), else bfloat16 on CUDA and
+    on CPUs with native bf16, else float32 (backends/torch/backend.py decides the same way)."""
+    from backends import cpu_has_native_bf16, cpu_has_vnni
 
     if backend == "mlx":
         return "float16"
+    if bits is None and fmt:
+        bits = FORMAT_BITS.get(fmt)
+    if device == "cpu" and bits is not None and bits <= W8A8_MAX_BITS and cpu_has_vnni():
+        return "w8a8"
     if device.startswith("cuda") or cpu_has_native_bf16():
         return "bfloat16"
     return "float32"
+
+
+def _kv_bytes(dtype: str) -> int:
+    # quantized modes quantize weights only: their KV cache is bf16
+    return 2 if dtype in QUANTIZED else _DTYPE_BYTES[dtype]
 
 
 def available_memory(backend: str, device: str = "auto") -> int:
@@ -267,25 +280,41 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
                streams_spec=streams(room_spec, kv_spec))
 
 
-def model_sizing(model: ModelSpec, backend: str, dtype: str) -> Sizing:
+def source_format(model: ModelSpec, backend: str) -> str | None:
     sources = model.sources_for(backend)
-    fmt = sources[0].format if sources else None
-    return Sizing(weights_bytes(model.params, backend, dtype, fmt),
-                  kv_bytes_per_token(model.arch, _DTYPE_BYTES[dtype]), model.arch.context)
+    return sources[0].format if sources else None
+
+
+def _target_source(info: TargetInfo, backend: str) -> tuple[str | None, float | None]:
+    """(format, bits per weight) of the target's source: the catalogue's, or a local GGUF's
+    header (`--dtype auto` reads the same header)."""
+    from backends.gguf_header import file_type
+
+    if info.model is not None:
+        return source_format(info.model, backend), None
+    if info.path is not None and info.path.suffix == ".gguf":
+        kind = file_type(info.path)
+        return None, kind[1] if kind else None
+    return None, None
+
+
+def model_sizing(model: ModelSpec, backend: str, dtype: str) -> Sizing:
+    return Sizing(weights_bytes(model.params, backend, dtype, source_format(model, backend)),
+                  kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context)
 
 
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
                    dtype: str) -> Sizing | None:
     """MTP layers live in the target's weights but keep their own KV cache."""
     if kind == "mtp":
-        return Sizing(0, kv_bytes_per_token(target_arch, _DTYPE_BYTES[dtype],
+        return Sizing(0, kv_bytes_per_token(target_arch, _kv_bytes(dtype),
                                             target_arch.mtp_layers), target_arch.context)
     return model_sizing(model, backend, dtype) if model is not None else None
 
 
 def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: int) -> Fit:
     device = resolve_device(backend, device)
-    dtype = dtype_for(backend, device)
+    dtype = dtype_for(backend, device, source_format(pair.target, backend))
     drafter = drafter_sizing(pair.drafter_kind, pair.drafter, pair.target.arch, backend, dtype)
     return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
                backend, device, dtype)
@@ -427,7 +456,7 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     catalogue = catalogue or load_catalogue()
     info = describe(target, catalogue) if isinstance(target, str) else target
     device = resolve_device(backend, device)
-    dtype = dtype_for(backend, device)
+    dtype = dtype_for(backend, device, *_target_source(info, backend))
     memory = available_memory(backend, device) if memory is None else memory
     ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
     refused: list[Option] = []

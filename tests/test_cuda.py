@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 
 import pytest
 
@@ -21,6 +20,7 @@ from app.core.engine import SpecEngine
 from app.core.types import Done, SamplingParams
 from backends.torch.backend import TorchBackend, TorchModel
 from tests.conftest import tiny_llama
+from tests.test_engine import oracle  # naive greedy: a fresh session every step
 
 torch = pytest.importorskip("torch")
 
@@ -55,16 +55,6 @@ def target() -> TorchModel:
 @pytest.fixture(scope="module")
 def unrelated() -> TorchModel:
     return on_cuda(2)
-
-
-def oracle(model: TorchModel, prompt: Sequence[int], n: int) -> list[int]:
-    """Naive greedy: the whole sequence through a fresh session at every step."""
-    ids, out = list(prompt), []
-    for _ in range(n):
-        token = model.start().forward(ids, n_logits=1).argmax[-1]
-        out.append(token)
-        ids.append(token)
-    return out
 
 
 def generate(engine: SpecEngine, n: int) -> Done:

@@ -62,8 +62,8 @@ def cpu_dtypes() -> list[str]:
 def test_large_k_keeps_speculative_output_equal_to_plain_in_every_cpu_dtype(smollm2_gguf,
                                                                             dtype):
     # the target drafting for itself accepts long runs, so verifies reach k + 1 rows
-    from app.core.engine import SpecEngine
-    from app.core.types import Done, SamplingParams
+    from app.core.engine import SpecEngine, last_done
+    from app.core.types import SamplingParams
     from app.drafters import build_drafter
     from app.loading import chat_ids
     from backends.torch.backend import TorchBackend
@@ -75,8 +75,7 @@ def test_large_k_keeps_speculative_output_equal_to_plain_in_every_cpu_dtype(smol
     params = SamplingParams(max_new_tokens=64)
 
     def tokens(drafter, k: int) -> tuple[int, ...]:
-        done = [e for e in engine.generate(prompt, params, drafter=drafter, k=k)
-                if isinstance(e, Done)][0]
+        done = last_done(engine.generate(prompt, params, drafter=drafter, k=k))
         assert done.error is None
         return done.token_ids
 

@@ -16,7 +16,7 @@ from typing import Any
 import gradio as gr
 
 from app import remoting
-from app.core.types import Done, SamplingParams, SpecdeckError, Step
+from app.core.types import Done, SpecdeckError, Step
 from app.loading import chat_ids
 from app.ui.inputs import (
     CHAT_MAX_NEW,
@@ -97,6 +97,8 @@ class ChatHandlers:
         session = session_of(request)
         try:
             # every control is checked before the model is taken
+            if not (message or "").strip():
+                raise SpecdeckError("the message is empty: type something to send")
             params = sampling_from(temperature, top_p, top_k, min_p, max_new_tokens, seed)
             k_value = parse_k(k)
             start = self.bench.start
@@ -107,7 +109,9 @@ class ChatHandlers:
             with self.bench.hold(session) as cancel:
                 if self.bench.remote is not None:
                     engine, kind = self.bench.remote, self.bench.remote.drafter_name
-                    events = self._remote_run(message, turns, system, params, cancel)
+                    # the server applies its own chat template; drafter and k are its own
+                    events = engine.chat(conversation(system or "", turns, message), params,
+                                         cancel)
                 else:
                     engine, choice, prompt_ids = self._prepare(message, turns, system, drafter,
                                                                k_value)
@@ -125,8 +129,6 @@ class ChatHandlers:
 
     def _prepare(self, message: str, turns: list[Turn], system: str, drafter: str,
                  k: int | str) -> tuple:
-        if not (message or "").strip():
-            raise SpecdeckError("the message is empty: type something to send")
         engine, choice = self.bench.engine(drafter, k)
         try:
             prompt_ids = chat_ids(engine.target.tokenizer,
@@ -137,14 +139,6 @@ class ChatHandlers:
                                 "the Race tab's plain prompt") from error
         engine.check_prompt(prompt_ids)
         return engine, choice, prompt_ids
-
-    def _remote_run(self, message: str, turns: list[Turn], system: str,
-                    params: SamplingParams, cancel: Any) -> Iterator[Any]:
-        # the server applies its own chat template; drafter and k are the server's
-        if not (message or "").strip():
-            raise SpecdeckError("the message is empty: type something to send")
-        return self.bench.remote.chat(conversation(system or "", turns, message), params,
-                                      cancel)
 
     def _stream(self, engine: Any, kind: str, events: Iterator[Any], message: str,
                 turns: list[Turn], highlight: bool) -> Iterator[tuple]:

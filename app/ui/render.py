@@ -140,7 +140,7 @@ def stats_html(stats: RunStats | None, status: str, drafter: str = "", k: int = 
     """The live stats panel: speed, τ, acceptance, counts, timing split and memory; cards
     whose RunStats names are in `unknown` (a remote engine did not report them) show "?"."""
     s = stats or RunStats()
-    cards = [_with_unknown(card, unknown) for card in _cards(s)]
+    cards = [_card(*card, unknown=unknown) for card in _cards(s)]
     cards += [_member_card(member, s.target_forwards) for member in s.drafters]
     if memory:
         peak = max(memory.get("peak", 0), s.peak_memory_bytes)
@@ -152,10 +152,6 @@ def stats_html(stats: RunStats | None, status: str, drafter: str = "", k: int = 
                        + (f" · speculation off for {off} steps (it did not pay)" if off else ""))
     return (f'<div class="sd-stats"><div class="sd-status" data-status="{html.escape(status)}">'
             f'{head}</div><div class="sd-cards">{"".join(cards)}</div></div>')
-
-
-def _with_unknown(card: tuple[str, ...], unknown: frozenset[str]) -> str:
-    return _card(*card, unknown=unknown)
 
 
 def _cards(s: RunStats) -> list[tuple[str, ...]]:

@@ -256,3 +256,17 @@ def test_prompts_from_a_file_that_a_bundled_benchmark_holds_are_left_out(tmp_pat
     chosen = training_prompts.collect([str(tmp_path / "b.jsonl"), str(path)])
     assert [p.text for p in chosen.prompts] == ["my own question", "another one"]
     assert chosen.dropped_bench == 1
+
+
+def test_a_benchmark_leaves_out_the_prompts_a_head_was_trained_on_before_its_limit(tmp_path):
+    from app.bench.prompts import load_prompts
+
+    mt = load_prompts("mt-bench")
+    first = [p for p in mt if p.category == mt[0].category][:2]
+    training_prompts.write(tmp_path, first[:1])
+    trained = training_prompts.trained_on(tmp_path)
+    kept = load_prompts(f"mt-bench:{mt[0].category}", 1, exclude=trained)
+    assert trained == {first[0].text.strip()}
+    assert [p.text for p in kept] == [first[1].text]
+    assert training_prompts.trained_on(None) == frozenset()
+    assert training_prompts.trained_on(tmp_path / "published-head") == frozenset()

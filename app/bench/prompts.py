@@ -29,8 +29,10 @@ class BenchPrompt:
 
 
 
-def load_prompts(spec: str, limit: int | None = None) -> list[BenchPrompt]:
-    """A bundled set (NAME or NAME:cat1,cat2) or a JSONL file; the first `limit` per category."""
+def load_prompts(spec: str, limit: int | None = None,
+                 exclude: frozenset[str] = frozenset()) -> list[BenchPrompt]:
+    """A bundled set (NAME or NAME:cat1,cat2) or a JSONL file; the first `limit` per category
+    among the prompts whose text is not in `exclude` (a head's training prompts)."""
     name, _, wanted = spec.partition(":")
     if name in PROMPT_SETS:
         prompts = _bundled(name)
@@ -46,6 +48,8 @@ def load_prompts(spec: str, limit: int | None = None) -> list[BenchPrompt]:
             raise SpecdeckError(f"{name} has no category {sorted(keep - known)}: "
                                 f"pick from {', '.join(sorted(known))}")
         prompts = [p for p in prompts if p.category in keep]
+    if exclude:
+        prompts = [p for p in prompts if p.text.strip() not in exclude]
     if limit is not None:
         if limit < 1:
             raise SpecdeckError(f"--limit must be >= 1 (got {limit})")
@@ -57,7 +61,8 @@ def load_prompts(spec: str, limit: int | None = None) -> list[BenchPrompt]:
                 kept.append(p)
         prompts = kept
     if not prompts:
-        raise SpecdeckError(f"the prompt set {spec} is empty")
+        why = " once the head's training prompts are left out" if exclude else ""
+        raise SpecdeckError(f"the prompt set {spec} is empty{why}")
     return prompts
 
 

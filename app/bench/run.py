@@ -42,6 +42,7 @@ from app.core.engine import SpecEngine, check_k, last_done
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
 from app.loading import encode_prompt
 from app.remoting import add_remote_arguments
+from app.train import prompts as training_prompts
 
 DRAFTER_KINDS = drafters.CHOICES
 DEFAULT_KINDS = drafters.BENCH_DEFAULT
@@ -543,7 +544,11 @@ def _bench(args: argparse.Namespace) -> int:
                              draft_vocab=args.draft_vocab, head=_head(args.head, args.backend))
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
-    prompts = load_prompts(args.prompts, args.limit)
+    trained = training_prompts.trained_on(settings.head)
+    prompts = load_prompts(args.prompts, args.limit, exclude=trained)
+    if trained:
+        _stderr(f"leaving out the {len(trained)} prompts the head was trained on "
+                f"({settings.head}/{training_prompts.PROMPTS_FILE})")
     remote = _remote_runners(args, _stderr)  # before minutes of loading: a bad URL fails now
     llama = None
     try:
@@ -561,7 +566,8 @@ def _bench(args: argparse.Namespace) -> int:
     report["settings"].update(prompts=args.prompts, limit=args.limit, pair=args.pair,
                               target_path=target_path, draft_path=draft_path,
                               compare=sorted(compare | ({"hf"} if args.compare_hf else set())),
-                              llama_cpp=llama.describe() if llama else None)
+                              llama_cpp=llama.describe() if llama else None,
+                              head_training_prompts=len(trained))
     print(format_table(report))
     if args.json_out:
         _write_json(report, args.json_out)

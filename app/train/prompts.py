@@ -70,6 +70,13 @@ def _read(spec: str) -> list[BenchPrompt]:
     return load_prompts(spec)
 
 
+def trained_on(folder: str | Path | None) -> frozenset[str]:
+    """The prompt texts a head folder says it was trained on (none for a published head)."""
+    if folder is None or not (Path(folder) / PROMPTS_FILE).is_file():
+        return frozenset()
+    return frozenset(p.text.strip() for p in _read(str(Path(folder) / PROMPTS_FILE)))
+
+
 def write(folder: Path, prompts: Sequence[BenchPrompt]) -> Path:
     """prompts.jsonl next to the head: the texts it was trained on (benchmarks skip them)."""
     path = folder / PROMPTS_FILE

@@ -215,6 +215,20 @@ def test_generate_with_a_head_folder_and_tree_equals_plain_output(deep_target, h
     assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
 
 
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_lookup_then_a_head_gives_exactly_plain_greedy_decoding_and_both_draft(
+        deep_target, heads, k):
+    prompt = PROMPT * 3  # a repeated prompt: lookup finds matches, the head drafts the rest
+    truth = plain(deep_target, prompt, 40)
+    drafter = drafters.build_drafter("lookup+eagle3", deep_target, backend=TorchBackend(),
+                                     head=str(heads["midlayer"]))
+    done = list(SpecEngine(deep_target).generate(prompt, SamplingParams(max_new_tokens=40),
+                                                 drafter=drafter, k=k))[-1]
+    assert done.token_ids == truth
+    drafted = {m.name: m.drafted for m in done.stats.drafters}
+    assert drafted.get("lookup", 0) > 0 and drafted.get("eagle3", 0) > 0
+
+
 def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
     from app.bench import run as bench
     from tests.test_bench import word_prompts

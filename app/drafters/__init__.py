@@ -18,14 +18,20 @@ from app.drafters.ngram import NgramDrafter, NoDrafter
 
 # every kind, in the order menus list them; heads come with their issues
 KINDS = ("none", "ngram", "ngram-tree", "draft", "chain",
-         "eagle3", "eagle", "mtp", "medusa", "dflash", "lookahead")
+         "eagle3", "eagle", "lookup+eagle3", "lookup+eagle", "mtp", "medusa", "dflash",
+         "lookahead")
 IMPLEMENTED = frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
-                         "medusa", "mtp", "dflash", "eagle3", "eagle"})
+                         "medusa", "mtp", "dflash", "eagle3", "eagle", "lookup+eagle3",
+                         "lookup+eagle"})
 NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 # drafters whose --draft is a head folder, not a model
-HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle"})
+HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle", "lookup+eagle3", "lookup+eagle"})
 TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
-OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
+OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa", "lookup+eagle3",
+                       "lookup+eagle"})  # downloads
+# "lookup+eagle3": prompt lookup first, the head where lookup has nothing (as "chain" does for
+# the draft model); the head still reads every verify forward, so it drafts from the right state
+LOOKUP_FIRST = "lookup+"
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
 # the planner names what a pair ships ("draft": a draft model); the fastest way to run it:
@@ -46,6 +52,8 @@ def describe(kind: str) -> str:
             "dflash": "a DFlash block drafter on the target's hidden states",
             "eagle3": "an EAGLE-3 head on the target's hidden states",
             "eagle": "an EAGLE-1/2 head on the target's last hidden state",
+            "lookup+eagle3": "prompt lookup, then the EAGLE-3 head",
+            "lookup+eagle": "prompt lookup, then the EAGLE-1/2 head",
             }.get(kind, kind)
 
 
@@ -86,13 +94,19 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
     model = backend.draft_model_drafter(target, draft, vocab_limit=vocab_limit)
     if kind == "draft":
         return model
-    lookup = NgramDrafter(min_n=CHAIN_LOOKUP_MIN_N, max_n=max(CHAIN_LOOKUP_MIN_N, 8),
-                          full_only=True, name="lookup")
-    return ChainDrafter((lookup, model))
+    return ChainDrafter((_chain_lookup(), model))
+
+
+def _chain_lookup() -> NgramDrafter:
+    return NgramDrafter(min_n=CHAIN_LOOKUP_MIN_N, max_n=max(CHAIN_LOOKUP_MIN_N, 8),
+                        full_only=True, name="lookup")
 
 
 def _head_drafter(kind: str, target: Any, backend: Any, head: str | None, tree: bool
                   ) -> Drafter:
+    if kind.startswith(LOOKUP_FIRST):
+        inner = _head_drafter(kind.removeprefix(LOOKUP_FIRST), target, backend, head, tree)
+        return ChainDrafter((_chain_lookup(), inner))
     if not head:
         raise SpecdeckError(f"drafter {kind!r} needs its head: give --draft HEAD_DIR (the folder "
                             "with the head's config.json and safetensors)")

@@ -25,6 +25,7 @@ NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 # drafters whose --draft is a head folder, not a model
 HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle"})
 TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
+TORCH_ONLY = frozenset({"mtp", "medusa", "dflash"})  # kinds the MLX backend does not run
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa"})  # downloads
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)

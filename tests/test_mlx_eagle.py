@@ -1,5 +1,5 @@
-"""EAGLE heads on MLX: the same folders load, the MLX head computes the torch head's logits
-(the torch head is held to the authors' code in test_eagle_golden.py), MLX head chains give
+"""EAGLE heads on MLX: the same folders load, the MLX head computes the authors' logits and
+the torch head's (held to the authors' code in test_eagle_golden.py), MLX head chains give
 plain decoding's output greedy and the target's law sampled, and what MLX cannot run is
 refused by name. Runs on Linux through MLX's CPU build (mlx[cpu])."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from tests.distributions import assert_follows  # noqa: E402
 from tests.eagle_heads import LAYOUTS, write_head  # noqa: E402
 
 N_LAYERS = 8  # the default rule's layers 2, 4, 5 differ
+FIXTURES = Path(__file__).parent / "fixtures" / "eagle"
 VOCAB = 48
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 30, 31]
 
@@ -118,6 +120,38 @@ def test_the_mlx_heads_logits_equal_the_torch_heads_for_two_draft_steps(twins, h
     np.testing.assert_allclose(np.array(got_2), want_2.numpy(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_mlx_heads_draft_steps_one_and_two_match_the_authors_code(layout):
+    """tests/fixtures/eagle's golden logits, computed with the authors' code (see
+    test_eagle_golden.py for the torch head on the same values)."""
+    from backends.mlx.heads.eagle import load_eagle_head
+
+    folder = FIXTURES / layout
+    golden = mx.load(str(folder / "golden.safetensors"))
+    kind = "eagle" if layout == "eagle1" else "eagle3"
+    head, spec = load_eagle_head(folder, kind=kind, target_name="golden-target", hidden_size=32,
+                                 vocab_size=VOCAB, n_layers=N_LAYERS)
+    if kind == "eagle":
+        head.use_target_head(lambda h: h @ golden["target_head"].T)
+        chunks = [golden["feature"]]
+    else:
+        chunks = [golden["states"][:, i * 32:(i + 1) * 32] for i in range(3)]
+
+    def embed(ids):
+        own = head.own_embedding()
+        return own(ids) if own is not None else golden["target_embed"][ids]
+
+    ids = golden["ids"]
+    h, past = head(embed(ids[None, 1:]), head.project(chunks)[None], 0)
+    logits1 = head.logits(h[0, -1])
+    token = head.to_target(mx.argmax(logits1, keepdims=True))
+    h2, _ = head(embed(token[None]), head.feedback(h[:, -1:]), ids.size - 1, past)
+    np.testing.assert_allclose(np.array(logits1), np.array(golden["logits1"]), rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.array(head.logits(h2[0, -1])), np.array(golden["logits2"]),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("layout", ["midlayer", "speculators", "eagle1"])
 def test_mlx_and_torch_head_drafters_propose_the_same_chains_step_by_step(twins, heads,
                                                                            layout):
@@ -163,6 +197,27 @@ def test_an_mlx_head_chain_gives_exactly_plain_greedy_decoding(twins, heads, lay
                                             drafter=build(target, heads[layout], layout),
                                             k=k))[-1]
     assert done.token_ids == truth
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("layout", ["midlayer", "eagle1"])
+def test_a_quantized_mlx_target_lends_its_embedding_and_output_layer_to_a_head(twins, heads,
+                                                                               tmp_path, layout):
+    """mlx-community folders are quantized: the head reads the target's quantized embedding
+    (EAGLE-3 without its own) or output layer (EAGLE-1/2), and output stays plain decoding's."""
+    from mlx_lm import convert
+
+    torch_target, _ = twins
+    source = tmp_path / "fp32"
+    torch_target.hf.save_pretrained(source)
+    torch_target.tokenizer.save_pretrained(source)
+    convert(str(source), str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    target = MlxBackend().load(str(tmp_path / "q4"), device="cpu")
+    assert target.dtype == "4-bit/float32"
+    drafter = build(target, heads[layout], layout)
+    done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=20),
+                                            drafter=drafter, k=3))[-1]
+    assert done.token_ids == plain(target, PROMPT, 20).token_ids
     assert done.stats.drafted > 0
 
 

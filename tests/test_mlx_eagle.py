@@ -284,6 +284,20 @@ def test_generate_with_backend_mlx_and_a_head_folder_equals_plain_output(twins, 
     assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
 
 
+def test_bench_on_mlx_runs_a_head_chain_and_names_why_its_tree_cannot_run(twins, heads):
+    from app.bench import run as bench
+    from tests.test_bench import word_prompts
+
+    _, target = twins
+    settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
+                                   max_new_tokens=8, head=str(heads["layers"]), warmup=0)
+    runners, unavailable = bench.build_runners(target, settings, backend=MlxBackend())
+    assert [r.config.name for r in runners] == ["plain", "eagle3 k=3"]
+    assert "drop --tree" in unavailable["eagle3:tree k=3"]
+    report = bench.run_bench(target, word_prompts(2), settings, backend=MlxBackend())
+    assert {c["name"] for c in report["configs"]} >= {"plain", "eagle3 k=3"}
+
+
 # ---------------------------------------------------------------- lossless: sampled
 
 SMALL_VOCAB = 8

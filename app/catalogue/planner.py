@@ -46,6 +46,7 @@ from app.catalogue.registry import (
     load_catalogue,
 )
 from app.core.types import SpecdeckError
+from app.drafters import TORCH_ONLY
 
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
@@ -527,6 +528,8 @@ class _Context:
         """Why this drafter cannot be used here, or '' when it can."""
         if option.kind not in self.implemented:
             return f"needs {option.kind}: specdeck does not run this drafter kind yet"
+        if option.kind in TORCH_ONLY and self.backend == "mlx":
+            return "runs on the torch backend only (mlx runs eagle3 and eagle heads)"
         if option.kind in MODEL_FREE:
             if option.kind == "lookahead" and self.backend == "mlx":
                 return ("mlx verifies chains only: lookahead's tree would shrink to its first "

@@ -31,6 +31,7 @@ PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activ
 _DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
            "bf16": mx.bfloat16, "float16": mx.float16, "fp16": mx.float16}
 _GPU_NAMES = ("gpu", "metal", "mps", "cuda")
+_MLX_HEADS = frozenset({"eagle3", "eagle"})  # head kinds MLX runs; the others are torch's
 
 
 def resolve_device(device: str) -> mx.Device:
@@ -214,7 +215,25 @@ class MlxBackend:
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
 
     def head_drafter(self, kind: str, target: MlxModel, path: str, tree: bool = False) -> Any:
-        raise SpecdeckError(f"drafter {kind!r} (a head) is not on MLX yet: use --backend torch")
+        """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head drafter from its folder, checked
+        against the target; chains only (tree=True is refused: no tree attention here)."""
+        if kind not in _MLX_HEADS:
+            raise SpecdeckError(f"drafter {kind!r} runs on the torch backend only: use "
+                                "--backend torch (MLX runs eagle3 and eagle heads)")
+        if tree:
+            raise SpecdeckError(f"EAGLE-2 trees need tree attention, which the MLX backend "
+                                f"lacks (it verifies chains): drop --tree to draft {kind} "
+                                "chains on MLX, or use --backend torch for trees")
+        from backends.mlx.heads.eagle import load_eagle_head, target_parts
+        from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
+
+        _, final_norm, _ = target_parts(target.net, target.name)  # never quantized: H wide
+        head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
+                                     hidden_size=int(final_norm.weight.shape[-1]),
+                                     vocab_size=target.vocab_size,
+                                     n_layers=target.n_layers,
+                                     dtype=_stored_dtype(target.net))
+        return MlxEagleDrafter(target, head, spec)
 
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from app.core.types import SpecdeckError
-from backends.torch.heads.eagle_format import EagleSpec, check_target, read_eagle_spec
+from backends.torch.heads.eagle_format import (
+    EagleSpec,
+    check_vocab_map,
+    checked_spec,
+    module_name,
+)
 
 KV = tuple[torch.Tensor, torch.Tensor]  # [B, kv_heads, keys, head_dim] each, keys after RoPE
 
@@ -315,14 +320,11 @@ def load_eagle_head(path: str | Path, *, kind: str, target_name: str, hidden_siz
                     device: str = "cpu") -> tuple[nn.Module, EagleSpec]:
     """A head folder in any published layout as (module, spec), refused when it is not `kind`
     ("eagle3" or "eagle") or was built for another target (both named)."""
-    spec = read_eagle_spec(path)
-    if spec.kind != kind:
-        wanted = {"eagle3": "--drafter eagle3", "eagle": "--drafter eagle"}[spec.kind]
-        raise SpecdeckError(f"{spec.name} is an {spec.kind.upper()} head, not {kind}: "
-                            f"use {wanted}")
-    check_target(spec, target_name, hidden_size, vocab_size, n_layers)
+    spec = checked_spec(path, kind=kind, target_name=target_name, hidden_size=hidden_size,
+                        vocab_size=vocab_size, n_layers=n_layers)
     head: nn.Module = Eagle3Head(spec) if kind == "eagle3" else Eagle1Head(spec)
-    state = _renamed(load_file(spec.weights), spec)
+    state = {renamed: tensor for name, tensor in load_file(spec.weights).items()
+             if (renamed := module_name(name, spec)) is not None}
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in ("d2t", "t2d")]
     if missing or unexpected:
@@ -333,28 +335,9 @@ def load_eagle_head(path: str | Path, *, kind: str, target_name: str, hidden_siz
     return head.to(device=device, dtype=dtype).eval(), spec
 
 
-def _renamed(state: dict[str, torch.Tensor], spec: EagleSpec) -> dict[str, torch.Tensor]:
-    """Stored names -> module names: `layers.0.` is `midlayer.` for EAGLE-3; a speculators
-    save may keep its verifier's tensors, which the head does not use."""
-    out = {}
-    for name, tensor in state.items():
-        if name.startswith("verifier"):
-            continue
-        if spec.kind == "eagle3" and name.startswith("layers.0."):
-            name = "midlayer." + name.removeprefix("layers.0.")
-        out[name] = tensor
-    return out
-
-
 def _check_vocab_map(head: Eagle3Head, spec: EagleSpec) -> None:
     ids = head.to_target(torch.arange(spec.draft_vocab_size))
-    if int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size:
-        raise SpecdeckError(f"{spec.name}'s d2t maps draft ids outside the target vocabulary "
-                            f"of {spec.vocab_size}: the head file is damaged")
-    if spec.draft_vocab_size != spec.vocab_size and int(head.t2d.sum()) not in (
-            0, spec.draft_vocab_size):
-        raise SpecdeckError(f"{spec.name}'s t2d marks {int(head.t2d.sum())} tokens but its "
-                            f"draft vocabulary has {spec.draft_vocab_size}: damaged head file")
+    check_vocab_map(spec, int(ids.min()), int(ids.max()), int(head.t2d.sum()))
 
 
 def new_eagle3_spec(name: str, *, target_hidden_size: int, vocab_size: int,

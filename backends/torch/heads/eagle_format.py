@@ -6,7 +6,8 @@ over 2 x hidden, optional bias, the target's output layer); the two layer-index 
 and the default layer rule (../shared/docs/HEADS.md 0.1, 1.1, 2.1). Must not know: torch,
 how a head runs, the engine. Tensor names come from the safetensors header (8-byte length,
 then JSON), so reading a folder costs no weight I/O; `.bin` pickles are refused (safetensors
-only).
+only). Both backends' head loaders (torch here, backends/mlx/heads) read folders through this
+module: it imports neither array library, so MLX-only installs import it too.
 
 Layer ids are returned as HF hidden-state indices in the capture-before convention: id L is
 the residual stream entering layer L (= the output of layer L - 1); `hs_ids` sorts them.
@@ -231,6 +232,40 @@ def _refuse_extra_layers(names: frozenset[str], name: str) -> None:
     if any(n.startswith("layers.1.") for n in names):
         raise SpecdeckError(f"{name} has more than one EAGLE-3 decoder layer: specdeck runs "
                             "one-layer EAGLE-3 heads (the published ones)")
+
+
+def checked_spec(path: str | Path, *, kind: str, target_name: str, hidden_size: int,
+                 vocab_size: int, n_layers: int) -> EagleSpec:
+    """The EagleSpec of a head folder, refused when it is not `kind` ("eagle3" or "eagle") or
+    was built for another target (both named); each backend's loader starts here."""
+    spec = read_eagle_spec(path)
+    if spec.kind != kind:
+        wanted = {"eagle3": "--drafter eagle3", "eagle": "--drafter eagle"}[spec.kind]
+        raise SpecdeckError(f"{spec.name} is an {spec.kind.upper()} head, not {kind}: "
+                            f"use {wanted}")
+    check_target(spec, target_name, hidden_size, vocab_size, n_layers)
+    return spec
+
+
+def module_name(stored: str, spec: EagleSpec) -> str | None:
+    """The head module's name for a stored tensor (`layers.0.` is `midlayer.` for EAGLE-3);
+    None for what the head does not use (a speculators save may keep its verifier's)."""
+    if stored.startswith("verifier"):
+        return None
+    if spec.kind == "eagle3" and stored.startswith("layers.0."):
+        return "midlayer." + stored.removeprefix("layers.0.")
+    return stored
+
+
+def check_vocab_map(spec: EagleSpec, lowest: int, highest: int, marked: int) -> None:
+    """Refuse a damaged draft-vocabulary map: d2t sends draft ids to target ids lowest ..
+    highest; t2d marks `marked` target ids (0: not stored)."""
+    if lowest < 0 or highest >= spec.vocab_size:
+        raise SpecdeckError(f"{spec.name}'s d2t maps draft ids outside the target vocabulary "
+                            f"of {spec.vocab_size}: the head file is damaged")
+    if spec.draft_vocab_size != spec.vocab_size and marked not in (0, spec.draft_vocab_size):
+        raise SpecdeckError(f"{spec.name}'s t2d marks {marked} tokens but its draft "
+                            f"vocabulary has {spec.draft_vocab_size}: damaged head file")
 
 
 def check_target(spec: EagleSpec, target_name: str, hidden_size: int, vocab_size: int,

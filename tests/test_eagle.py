@@ -339,3 +339,19 @@ def test_an_eagle3_variant_without_aux_states_is_refused_by_name(deep_target, he
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecdeckError, match="use_aux_hidden_state"):
         build(deep_target, folder, "layers")
+
+
+def test_the_ui_offers_a_heads_tree_and_runs_it_as_a_tree_with_plain_output(deep_target, heads):
+    from app.ui.workbench import DRAFTER_CHOICES, Workbench
+
+    assert DRAFTER_CHOICES.index("eagle3:tree") == DRAFTER_CHOICES.index("eagle3") + 1
+    bench = Workbench()
+    bench.attach(deep_target)
+    bench.backend, bench.head = TorchBackend(), str(heads["midlayer"])
+    bound, choice = bench.engine("eagle3:tree", 3)
+    assert choice.kind == "eagle3:tree" and bound.drafter.name == "eagle3-tree"
+    done = list(bound.engine.generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                      drafter=bound.drafter, k=3))[-1]
+    assert done.token_ids == plain(deep_target, PROMPT, 30)
+    with pytest.raises(SpecdeckError, match="does not draft trees"):
+        bench.resolve("ngram:tree")

@@ -47,7 +47,7 @@ from app.train import prompts as training_prompts
 DRAFTER_KINDS = drafters.CHOICES
 DEFAULT_KINDS = drafters.BENCH_DEFAULT
 NEEDS_DRAFT_MODEL = drafters.NEEDS_DRAFT_MODEL
-TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds in drafters.TREES)
+TREE_SUFFIX = drafters.TREE_SUFFIX
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
 LLAMA_PLAIN = "llama.cpp plain"  # app/bench/llamacpp.py's plain configuration
 COMPARE = ("hf", "llama.cpp")

@@ -34,6 +34,9 @@ OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa", 
 # the draft model); the head still reads every verify forward, so it drafts from the right state
 LOOKUP_FIRST = "lookup+"
 CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may ask for
+TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds in TREES)
+# CHOICES with each tree-drafting kind's tree right after it (the UI's drafter menus)
+WITH_TREES = tuple(c for k in CHOICES for c in ((k, k + TREE_SUFFIX) if k in TREES else (k,)))
 BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
 # the planner names what a pair ships ("draft": a draft model); the fastest way to run it:
 # lookup first, the model where lookup has nothing (HumanEval, Qwen pair in w8a8, k=4, median

@@ -22,7 +22,7 @@ from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
 from app.drafters.pairing import check_vocab_compatible
 
-DRAFTER_CHOICES = drafters.CHOICES
+DRAFTER_CHOICES = drafters.WITH_TREES
 
 
 class Busy(SpecdeckError):
@@ -132,10 +132,14 @@ class Workbench:
             if self.draft is not None:
                 return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
             return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
-        if kind not in drafters.IMPLEMENTED:
+        base = kind.removesuffix(drafters.TREE_SUFFIX)
+        if kind != base and base not in drafters.TREES:
+            raise SpecdeckError(f"drafter {base!r} does not draft trees: pick one of "
+                                f"{', '.join(k + drafters.TREE_SUFFIX for k in drafters.TREES)}")
+        if base not in drafters.IMPLEMENTED:
             raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
                                 f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
-        if kind in drafters.HEADS and self.head is None:
+        if base in drafters.HEADS and self.head is None:
             raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair that ships one "
                                 "in the Models tab, or start with --draft HEAD_DIR")
         if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
@@ -160,8 +164,10 @@ class Workbench:
         if lane not in self._engines:
             self._engines[lane] = self._new_engine(lane)
         if choice.kind not in self._drafters:
+            base = choice.kind.removesuffix(drafters.TREE_SUFFIX)
             self._drafters[choice.kind] = drafters.build_drafter(
-                choice.kind, self.target, backend=self.backend, draft=self.draft, head=self.head)
+                base, self.target, backend=self.backend, draft=self.draft, head=self.head,
+                tree=base != choice.kind)
         return Bound(self._engines[lane], self._drafters[choice.kind],
                      0 if choice.kind == "none" else k), choice
 

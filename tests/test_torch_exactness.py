@@ -163,6 +163,31 @@ def test_an_int4_layer_stays_within_4_bit_rounding_of_the_float_layer():
     assert (ours - reference).abs().mean() < 0.03 * reference.abs().mean() * 4
 
 
+def test_an_int4_layer_runs_a_prompt_on_its_8_bit_copy_and_verify_blocks_on_4_bits():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=False)
+    layer = Int4Linear.quantize(linear)
+    rows = torch.randn(Int4Linear.PREFILL_ROWS + 1, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(rows), layer.prefill(rows))  # a prompt: the 8-bit copy
+        block = rows[:Int4Linear.PREFILL_ROWS]
+        alone = torch.cat([layer(block[i:i + 1]) for i in range(len(block))])
+        assert torch.equal(layer(block), alone)  # a verify block: 4 bits, row by row
+        assert not torch.equal(layer(block), layer.prefill(block))
+
+
+@pytest.mark.parametrize("dtype", [W8A8, "int4"])
+def test_a_prompt_longer_than_a_verify_decodes_the_same_with_and_without_speculation(
+        tiny_folder, dtype):
+    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]  # prefilled in one forward
+    params = SamplingParams(max_new_tokens=30)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
+        done = list(SpecEngine(target, drafter, k=5).generate(prompt, params))[-1]
+        assert done.token_ids == plain.token_ids
+
+
 def test_int4_is_refused_off_the_cpu_with_the_fix(tiny_folder):
     with pytest.raises(SpecdeckError, match="CPU only"):
         torch_backend.resolve_dtype("int4", "cuda")

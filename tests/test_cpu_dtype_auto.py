@@ -52,10 +52,11 @@ def test_auto_runs_an_8_bit_source_in_w8a8_never_in_int4(tmp_path, monkeypatch):
     assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 7))[0] == "w8a8"
 
 
-def test_auto_runs_a_4_bit_source_in_w8a8_until_int4_is_measured_to_win(tmp_path, monkeypatch):
+def test_auto_runs_a_4_bit_source_in_int4_where_its_row_check_passes_on_this_cpu(
+        tmp_path, monkeypatch):
     monkeypatch.setattr(torch_backend, "w8a8_is_exact", lambda: True)
-    assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))[0] == (
-        "int4" if torch_backend.AUTO_INT4 else "w8a8")
+    exact = torch_backend.int4_is_available() and torch_backend.int4_is_exact()
+    assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))[0] == ("int4" if exact else "w8a8")
 
 
 def test_auto_falls_back_to_8_bits_where_int4_is_not_exact(tmp_path, monkeypatch):

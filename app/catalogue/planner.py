@@ -64,9 +64,13 @@ PREFERENCE = (
 )
 HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
 MODEL_FREE = frozenset({"lookahead", "ngram"})
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1}  # weights
-QUANTIZED = ("w8a8",)  # int8 weights (per channel scales are noise), bf16 KV cache
+# bytes per weight; int4: 4-bit codes, a bf16 scale and zero per 32, and the 8-bit copy its
+# prompts run on (backends/torch/quant.py Int4Linear)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 1.625}
+QUANTIZED = ("w8a8", "int4")  # quantized weights, bf16 KV cache
 W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
+INT4_MAX_BITS = 5.0  # and a source this coarse as int4, where torch has the kernel
+INT4_TORCH = (2, 6)  # the first torch with _weight_int4pack_mm_for_cpu
 
 
 @dataclass(frozen=True)
@@ -181,20 +185,44 @@ def resolve_device(backend: str, device: str = "auto") -> str:
 
 def dtype_for(backend: str, device: str, fmt: str | None = None,
               bits: float | None = None) -> str:
-    """The dtype `--dtype auto` loads weights in: MLX float16; torch w8a8 on a CPU with VNNI
-    for a source of 8.5 bits per weight or fewer (a quantized GGUF), else bfloat16 on CUDA and
-    on CPUs with native bf16, else float32 (backends/torch/backend.py decides the same way)."""
+    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU, torch int4 for a
+    source of 5 bits per weight or fewer (a Q4 GGUF) where torch has the int4 kernel, w8a8 with
+    VNNI for 8.5 bits or fewer, else bfloat16 on CUDA and on CPUs with native bf16, else
+    float32 (backends/torch/backend.py decides the same way, after its exactness checks)."""
     from backends import cpu_has_native_bf16, cpu_has_vnni
 
     if backend == "mlx":
         return "float16"
     if bits is None and fmt:
-        bits = FORMAT_BITS.get(fmt)
+        bits = _quant_bits(fmt)
+    if device == "cpu" and bits is not None and bits <= INT4_MAX_BITS and _torch_has_int4():
+        return "int4"
     if device == "cpu" and bits is not None and bits <= W8A8_MAX_BITS and cpu_has_vnni():
         return "w8a8"
     if device.startswith("cuda") or cpu_has_native_bf16():
         return "bfloat16"
     return "float32"
+
+
+def _quant_bits(fmt: str) -> float | None:
+    """The bits per weight of a catalogue format's main tensors, as the GGUF header names them
+    (the backend decides from the header; FORMAT_BITS is file size, embeddings included)."""
+    from backends.gguf_header import FILE_TYPES
+
+    if fmt.startswith("gguf-"):
+        name = fmt.removeprefix("gguf-").upper()
+        return next((bits for n, bits in FILE_TYPES.values() if n == name), FORMAT_BITS.get(fmt))
+    return FORMAT_BITS.get(fmt)
+
+
+def _torch_has_int4() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = re.match(r"(\d+)\.(\d+)", version("torch"))
+    except PackageNotFoundError:
+        return False
+    return release is not None and (int(release[1]), int(release[2])) >= INT4_TORCH
 
 
 def _kv_bytes(dtype: str) -> int:
@@ -250,7 +278,7 @@ def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None) -> int
     """torch dequantizes to dtype on load; MLX keeps a quantized format as it is on disk."""
     if backend == "mlx" and fmt is not None:
         return int(params * FORMAT_BITS[fmt] / 8)
-    return params * _DTYPE_BYTES[dtype]
+    return int(params * _DTYPE_BYTES[dtype])
 
 
 def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
@@ -515,7 +543,7 @@ class _Context:
         weights = weights_bytes(info.params, self.backend, self.dtype, None)
         if self.backend == "mlx" and info.path is not None:
             weights = _disk_bytes(info.path)  # MLX keeps a quantized checkpoint as it is
-        return Sizing(weights, kv_bytes_per_token(info.arch, _DTYPE_BYTES[self.dtype]),
+        return Sizing(weights, kv_bytes_per_token(info.arch, _kv_bytes(self.dtype)),
                       info.arch.context)
 
     def fit(self, option: Option) -> Fit:

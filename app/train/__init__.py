@@ -102,10 +102,11 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--draft-vocab", type=int, default=32000,
                    help="the head's vocabulary: the target's most frequent tokens")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4,
+                   help="peak learning rate (1e-3 diverged on a 1.5B target)")
     p.add_argument("--depth", type=int, default=7,
                    help="training-time-test steps (the head learns from its own states)")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="rows per optimizer step")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="rows per optimizer step")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="the target's dtype while it answers")
     p.add_argument("--out", help="write the head here instead of registering it")

@@ -28,9 +28,11 @@ CHECKPOINT = "checkpoint.pt"
 @dataclass(frozen=True)
 class LoopSettings:
     epochs: int = 3
-    lr: float = 1e-3
+    # 1e-3 diverged on Qwen2.5-Coder-1.5B (the running loss fell to 14.0 in warm-up, then rose
+    # to 15.6); 3e-4 with 1024-row batches descended steadily (15.2 to 7.9 in 36 steps)
+    lr: float = 3e-4
     warmup: int = 10            # optimizer steps
-    batch_tokens: int = 2048    # rows per batch (padded)
+    batch_tokens: int = 1024    # rows per batch (padded): more steps from little data
     depth: int = 7              # TTT steps (the EAGLE-3 authors train 7)
     clip: float = 0.5
     save_every: int = 20        # optimizer steps between checkpoints

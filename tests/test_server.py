@@ -300,7 +300,7 @@ def test_real_chat_model_replies_like_the_local_engine(smollm2_gguf: Path,
     from app.loading import chat_ids
 
     messages = [{"role": "user", "content": "Name three primary colors, comma separated."}]
-    # float32 on both sides (auto would run this Q4_1 GGUF as w8a8)
+    # float32 on both sides (auto would run this Q4_1 GGUF as int4)
     args = ["--target", str(smollm2_gguf), "--drafter", "ngram", "--k", "4",
             "--dtype", "float32"]
     with specdeck_serve(args, tmp_path / "serve.log") as url:

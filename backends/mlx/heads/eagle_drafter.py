@@ -2,7 +2,8 @@
 hidden states, which the engine's verify forwards capture (no extra target forward).
 
 Knows: the Drafter protocol, the head API of backends/mlx/heads/eagle.py, the shared sampling
-pipeline, mlx arrays and streams. Must not know: verification, the target's cache.
+pipeline, mlx arrays and streams; the head's rows are kept by backends/head_rows.py. Must not
+know: verification, the target's cache.
 
 The same drafter as backends/torch/heads/eagle_drafter.py, chains only (an MLX session
 verifies chains: EAGLE-2 trees are refused by MlxBackend.head_drafter). Alignment (HEADS.md
@@ -22,14 +23,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from app.core.protocols import TargetOutput
 from app.core.sampling import sample, warp
-from app.core.types import Draft, SamplingParams, Verdict, common_prefix_length
-from backends.mlx.heads.eagle import KV, Eagle1Head, Eagle3Head, target_parts
+from app.core.types import Draft, SamplingParams
+from backends.head_rows import HeadRows
+from backends.mlx.heads.eagle import Eagle1Head, Eagle3Head, target_parts
 from backends.torch.heads.eagle_format import EagleSpec
 
 
-class MlxEagleDrafter:
+class MlxEagleDrafter(HeadRows):
     """Drafts chains with an EAGLE-3 or EAGLE-1/2 head on an MLX target."""
 
     def __init__(self, target: Any, head: Eagle3Head | Eagle1Head, spec: EagleSpec) -> None:
@@ -51,78 +52,38 @@ class MlxEagleDrafter:
         self._params, self._rng = SamplingParams(), np.random.default_rng()
         self._reset()
 
-    def _reset(self) -> None:
-        self._past: list[KV] | None = None  # committed head rows (from target states)
-        self._rows: list[int] = []  # position of each committed row
-        self._ctx: list[int] = []  # tokens of the context the rows were built from
-        self._pending: list[dict[int, mx.array]] = []  # target states not yet read
-        self._pending_start = 0  # position of the first pending row
-        self._fed_upto = 0  # rows exist (committed or pending) for positions below this
-        self._root: tuple[mx.array, mx.array] | None = None  # logits, feedback
-
-    # ------------------------------------------------------------------ protocol
-
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None:
-        self._params, self._rng = params, rng
-        prompt = [int(t) for t in prompt_ids]
-        states = self._states(first_output, None)
-        n_rows = next(iter(states.values())).shape[0]
-        # a committed row t read tokens up to t + 1: it stays while those match the prompt
-        self._truncate(common_prefix_length(self._ctx, prompt) - 2)
-        start = len(prompt) - n_rows  # the prefill covered positions start .. len - 1
-        first = max(start, self._rows[-1] + 1 if self._rows else 0)
-        self._pending = [{i: s[first - start:] for i, s in states.items()}]
-        self._pending_start, self._fed_upto = first, len(prompt)
-        self._ctx, self._root = prompt, None
-
     def propose(self, context: Sequence[int], k: int) -> Draft:
         context = [int(t) for t in context]
-        if self._fed_upto != len(context) - 1:
-            return Draft()  # states for this context never arrived (no begin): no draft
+        if not self._can_draft(context):
+            return Draft()
         with mx.stream(self._stream):
             self._read_pending(context)
             if k <= 0 or self._root is None:
                 return Draft()
             return self._draft_chain(k)
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
-        rows = mx.array([0, *(i + 1 for i in verdict.path)])
-        if not self._pending:
-            self._pending_start = self._fed_upto
-        self._pending.append(self._states(verified, rows))
-        self._fed_upto += rows.size
-
     # ------------------------------------------------------------------ the head's cache
 
-    def _states(self, out: TargetOutput, rows: mx.array | None) -> dict[int, mx.array]:
-        """Captured layer -> [rows, hidden] (the chosen rows of a verify forward)."""
-        return {layer: out.hidden_states[layer] if rows is None
-                else mx.take(out.hidden_states[layer], rows, axis=0)
-                for layer in self.capture_layers}
+    def _take(self, states: mx.array, rows: list[int]) -> mx.array:
+        return mx.take(states, mx.array(rows), axis=0)
 
-    def _truncate(self, last_position: int) -> None:
-        keep = sum(1 for p in self._rows if p <= last_position)
-        self._rows = self._rows[:keep]
-        if self._past is not None:
-            self._past = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._past]
+    def _join(self, parts: list[mx.array]) -> mx.array:
+        return mx.concatenate(parts)
 
     def _read_pending(self, context: list[int]) -> None:
         """Run the head over the target states that arrived since the last propose."""
-        if not self._pending:
+        pending = self._take_pending()
+        if pending is None:
             return
-        layers = {i: mx.concatenate([p[i] for p in self._pending]) for i in self.capture_layers}
-        self._pending = []
-        start, end = self._pending_start, self._fed_upto
+        layers, start, end = pending
         features = [layers[i - 1] for i in self._hs]
         if self._final_norm is not None:
             features = [self._final_norm(f) for f in features]
         hidden = self.head.project(features)[None]
         tokens = mx.array([context[start + 1:end + 1]])
-        h, self._past = self.head(self._embed(tokens), hidden, start, self._past)
-        self._rows.extend(range(start, end))
-        self._ctx = context
-        self._root = (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1]))
+        h, past = self.head(self._embed(tokens), hidden, start, self._past)
+        self._commit(context, start, end, past,
+                     (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1])))
         mx.eval(self._root, self._past)  # rows of past steps are built once, not per chain
 
     # ------------------------------------------------------------------ chains

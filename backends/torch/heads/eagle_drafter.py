@@ -4,7 +4,8 @@ hidden states, which the engine's verify forwards capture (no extra target forwa
 Knows: the Drafter protocol, the head API of backends/torch/heads/eagle.py, the shared
 sampling pipeline, the EAGLE-2 tree rule (../shared/docs/HEADS.md 2.2: top-k children per
 frontier node, a new frontier of the k best cumulative log-probabilities per depth, the node
-budget filled by reranking every candidate). Must not know: verification, the target's cache.
+budget filled by reranking every candidate); the head's rows are kept by backends/head_rows.py.
+Must not know: verification, the target's cache.
 
 Alignment (HEADS.md 1.2, 1.3): the head row at position t reads the target's state at t and
 the embedding of token t + 1; its output scores token t + 2. The head's KV cache holds only
@@ -24,10 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.core.protocols import TargetOutput
 from app.core.sampling import sample, warp
-from app.core.types import Draft, SamplingParams, Verdict, common_prefix_length
-from backends.torch.heads.eagle import KV
+from app.core.types import Draft, SamplingParams
+from backends.head_rows import HeadRows
 from backends.torch.heads.eagle_format import EagleSpec
 
 TREE_TOP_K = 4  # children per frontier node and frontier width (EAGLE-2's top_k)
@@ -44,7 +44,7 @@ class _Candidate:
     token: int  # target id
 
 
-class EagleDrafter:
+class EagleDrafter(HeadRows):
     """Drafts with an EAGLE-3 or EAGLE-1/2 head; tree=True drafts EAGLE-2 dynamic trees."""
 
     def __init__(self, target: Any, head: torch.nn.Module, spec: EagleSpec, tree: bool = False,
@@ -66,36 +66,10 @@ class EagleDrafter:
         self._params, self._rng = SamplingParams(), np.random.default_rng()
         self._reset()
 
-    def _reset(self) -> None:
-        self._past: list[KV] | None = None  # committed head rows (from target states)
-        self._rows: list[int] = []  # position of each committed row
-        self._ctx: list[int] = []  # tokens of the context the rows were built from
-        self._pending: list[dict[int, torch.Tensor]] = []  # target states not yet read
-        self._pending_start = 0  # position of the first pending row
-        self._fed_upto = 0  # rows exist (committed or pending) for positions below this
-        self._root: tuple[torch.Tensor, torch.Tensor] | None = None  # logits, feedback
-
-    # ------------------------------------------------------------------ protocol
-
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None:
-        self._params, self._rng = params, rng
-        prompt = [int(t) for t in prompt_ids]
-        states = self._states(first_output, None)
-        n_rows = next(iter(states.values())).shape[0]
-        # a committed row t read tokens up to t + 1: it stays while those match the prompt
-        valid = common_prefix_length(self._ctx, prompt) - 2
-        self._truncate(valid)
-        start = len(prompt) - n_rows  # the prefill covered positions start .. len - 1
-        first = max(start, self._rows[-1] + 1 if self._rows else 0)
-        self._pending = [{i: s[first - start:] for i, s in states.items()}]
-        self._pending_start, self._fed_upto = first, len(prompt)
-        self._ctx, self._root = prompt, None
-
     def propose(self, context: Sequence[int], k: int) -> Draft:
         context = [int(t) for t in context]
-        if self._fed_upto != len(context) - 1:
-            return Draft()  # states for this context never arrived (no begin): no draft
+        if not self._can_draft(context):
+            return Draft()
         with torch.inference_mode():
             self._read_pending(context)
             if k <= 0 or self._root is None:
@@ -104,47 +78,29 @@ class EagleDrafter:
                 return self._draft_tree(k)
             return self._draft_chain(k)
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
-        rows = torch.tensor([0, *(i + 1 for i in verdict.path)], device=self._device)
-        states = self._states(verified, rows)
-        if not self._pending:
-            self._pending_start = self._fed_upto
-        self._pending.append(states)
-        self._fed_upto += len(rows)
-
     # ------------------------------------------------------------------ the head's cache
 
-    def _states(self, out: TargetOutput, rows: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """Captured layer -> [rows, hidden] (the chosen rows of a verify forward)."""
-        states = {}
-        for layer in self.capture_layers:
-            s = out.hidden_states[layer]
-            states[layer] = s if rows is None else s.index_select(0, rows)
-        return states
+    def _take(self, states: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return states.index_select(0, torch.tensor(rows, device=self._device))
 
-    def _truncate(self, last_position: int) -> None:
-        keep = sum(1 for p in self._rows if p <= last_position)
-        self._rows = self._rows[:keep]
-        if self._past is not None:
-            self._past = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._past]
+    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
 
     def _read_pending(self, context: list[int]) -> None:
         """Run the head over the target states that arrived since the last propose."""
-        if not self._pending:
+        pending = self._take_pending()
+        if pending is None:
             return
-        layers = {i: torch.cat([p[i] for p in self._pending]) for i in self.capture_layers}
-        self._pending = []
-        start, end = self._pending_start, self._fed_upto
+        layers, start, end = pending
         features = [layers[i - 1] for i in self._hs]
         if self._final_norm is not None:
             features = [self._final_norm(f) for f in features]  # EAGLE-1 reads hs[N]
         hidden = self.head.project(features)[None]
         tokens = torch.tensor([context[start + 1:end + 1]], device=self._device)
         positions = torch.arange(start, end, device=self._device)[None]
-        h, self._past = self.head(self._embed(tokens), hidden, positions, self._past)
-        self._rows.extend(range(start, end))
-        self._ctx = context
-        self._root = (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1]))
+        h, past = self.head(self._embed(tokens), hidden, positions, self._past)
+        self._commit(context, start, end, past,
+                     (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1])))
 
     # ------------------------------------------------------------------ chains
 

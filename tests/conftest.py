@@ -87,3 +87,16 @@ def mlx_target(tmp_path_factory):
 def mlx_unrelated(tmp_path_factory):
     """The `unrelated` fixture's weights (tiny_llama(seed=2)) on the MLX backend."""
     return mlx_twin(tiny_llama(seed=2), tmp_path_factory.mktemp("mlx-unrelated"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_heads_trained_on_this_machine():
+    """Tests plan with the shipped catalogue: heads the developer trained (listed in the real
+    SPECDECK_HOME/trained.yaml) would change every plan. A test that trains a head writes and
+    reads this file name in its own SPECDECK_HOME. Session scope: catalogue fixtures of wider
+    scope than a test load before function-scoped fixtures run."""
+    from app.catalogue import registry
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "TRAINED_CATALOGUE", "trained-under-test.yaml")
+        yield

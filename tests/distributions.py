@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
+from app.core.sampling import warp
+
 MIN_EXPECTED = 5  # cells expected fewer times are left out, as χ² needs
 P_VALUE = 1e-3
 
@@ -17,3 +19,22 @@ def assert_follows(observed: np.ndarray, expected: np.ndarray) -> None:
     _, pvalue = stats.chisquare(observed[keep], expected[keep] * observed[keep].sum()
                                 / expected[keep].sum())
     assert pvalue > P_VALUE, pvalue
+
+
+def two_token_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
+    """p(second, third token) of plain sampled decoding, from the target's own rows (the
+    step after the prefill's token drafts both)."""
+    session = target.start()
+
+    def law(ids: list[int]) -> np.ndarray:
+        session.rewind(0)
+        row = session.forward(ids, n_logits=1).host_logits()[-1].astype(np.float64)
+        return warp(row, params)
+
+    first = law(prompt)
+    joint = np.zeros((vocab, vocab))
+    for a in range(vocab):
+        second = law(prompt + [a])
+        for b in range(vocab):
+            joint[b] += first[a] * second[b] * law(prompt + [a, b])
+    return joint

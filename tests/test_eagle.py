@@ -8,11 +8,10 @@ import pytest
 
 from app import drafters
 from app.core.engine import SpecEngine
-from app.core.sampling import warp
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
 from tests.conftest import tiny_llama
-from tests.distributions import assert_follows
+from tests.distributions import assert_follows, two_token_law
 from tests.eagle_heads import LAYOUTS, write_head
 
 torch = pytest.importorskip("torch")
@@ -150,25 +149,6 @@ def small_target():
     return model
 
 
-def target_law(target, prompt, params):
-    """p(second, third token) of plain sampled decoding, from the target's own rows (the
-    step after the prefill's token drafts both)."""
-    session = target.start()
-
-    def law(ids):
-        session.rewind(0)
-        row = session.forward(ids, n_logits=1).host_logits()[-1].astype(np.float64)
-        return warp(row, params)
-
-    first = law(prompt)
-    joint = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
-    for a in range(SMALL_VOCAB):
-        second = law(prompt + [a])
-        for b in range(SMALL_VOCAB):
-            joint[b] += first[a] * second[b] * law(prompt + [a, b])
-    return joint
-
-
 @pytest.mark.parametrize("layout,tree", [("midlayer", False), ("eagle1", False),
                                          ("speculators", True)])
 def test_sampled_speculation_with_a_head_draws_from_the_targets_distribution(
@@ -177,7 +157,7 @@ def test_sampled_speculation_with_a_head_draws_from_the_targets_distribution(
                         seed=4, draft_vocab=6, scale=0.6)
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
     prompt = [1, 2, 3, 4]
-    joint = target_law(small_target, prompt, params)
+    joint = two_token_law(small_target, prompt, params, SMALL_VOCAB)
     drafter = build(small_target, folder, layout, tree=tree)
     engine = SpecEngine(small_target)
     counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))

@@ -20,12 +20,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from app import drafters  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
-from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.conftest import mlx_twin, tiny_llama  # noqa: E402
-from tests.distributions import assert_follows  # noqa: E402
+from tests.distributions import assert_follows, two_token_law  # noqa: E402
 from tests.eagle_heads import LAYOUTS, write_head  # noqa: E402
 
 N_LAYERS = 8  # the default rule's layers 2, 4, 5 differ
@@ -311,25 +310,6 @@ def small_target(tmp_path_factory):
     return model
 
 
-def target_law(target, prompt, params):
-    """p(second, third token) of plain sampled decoding, from the target's own rows (the
-    step after the prefill's token drafts both)."""
-    session = target.start()
-
-    def law(ids):
-        session.rewind(0)
-        row = session.forward(ids, n_logits=1).host_logits()[-1].astype(np.float64)
-        return warp(row, params)
-
-    first = law(prompt)
-    joint = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
-    for a in range(SMALL_VOCAB):
-        second = law(prompt + [a])
-        for b in range(SMALL_VOCAB):
-            joint[b] += first[a] * second[b] * law(prompt + [a, b])
-    return joint
-
-
 def spread_head(folder, layout):
     """A head whose q is spread over several tokens (tests/eagle_heads.py's are near one-hot),
     so a q reported apart from the q sampled would skew the committed tokens."""
@@ -364,7 +344,7 @@ def test_sampled_speculation_with_an_mlx_head_draws_from_the_targets_distributio
         small_target, tmp_path):
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
     prompt = [1, 2, 3, 4]
-    joint = target_law(small_target, prompt, params)
+    joint = two_token_law(small_target, prompt, params, SMALL_VOCAB)
     drafter = build(small_target, spread_head(tmp_path / "head", "midlayer"), "midlayer")
     engine = SpecEngine(small_target)
     counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))

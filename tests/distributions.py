@@ -38,3 +38,15 @@ def two_token_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
         for b in range(vocab):
             joint[b] += first[a] * second[b] * law(prompt + [a, b])
     return joint
+
+
+def first_two_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
+    """p(first, second token) of plain sampled decoding after prompt, from the target's rows."""
+    session = target.start()
+    first = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
+    joint = np.zeros((vocab, vocab))
+    for a in range(vocab):
+        joint[a] = first[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
+                                   params)
+        session.rewind(len(prompt))
+    return joint

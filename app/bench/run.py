@@ -464,7 +464,8 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--pair", help="catalogue pair id (see `specdeck models`)")
     p.add_argument("--target", help="target model: HF folder or .gguf file")
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for the draft drafter")
-    p.add_argument("--backend", default="auto", help="auto, torch or mlx")
+    p.add_argument("--backend", default="auto",
+                   help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)

@@ -28,6 +28,9 @@ NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle", "lookup+eagle3", "lookup+eagle"})
 TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
 TORCH_ONLY = frozenset({"mtp", "medusa", "dflash"})  # kinds the MLX backend does not run
+# what a target that returns logits only runs (no hidden states for heads, no tree attention:
+# the llama.cpp backend)
+LOGITS_ONLY = frozenset({"none", "ngram", "draft", "chain"})
 OWN_MODEL = frozenset({"draft", "chain", "eagle3", "eagle", "dflash", "medusa", "lookup+eagle3",
                        "lookup+eagle"})  # downloads
 # "lookup+eagle3": prompt lookup first, the head where lookup has nothing (as "chain" does for

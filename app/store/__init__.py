@@ -458,13 +458,13 @@ def _disk_errors(model_id: str) -> Iterator[None]:
 
 
 def _backend(backend: str | None) -> str:
-    from backends import BACKENDS, detect_backend
+    from backends import BACKENDS, detect_backend, files_of
 
     if backend in (None, "auto"):
         return detect_backend()
     if backend not in BACKENDS:
         raise SpecdeckError(f"unknown backend {backend!r}: use auto, {' or '.join(BACKENDS)}")
-    return backend
+    return files_of(backend)
 
 
 # ---- CLI -------------------------------------------------------------------------------

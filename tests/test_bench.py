@@ -118,6 +118,23 @@ def tiny_report(target) -> dict:
                            draft=draft)
 
 
+def test_a_second_engines_configurations_are_checked_against_its_own_plain(target):
+    """--compare-backend: another engine (here another model standing in for other kernels)
+    runs in the same loop under a prefix; its outputs must equal its own plain, not the
+    first engine's, and its speedups are against its own plain too."""
+    settings = BenchSettings(drafters=("none", "ngram"), ks=(2,), max_new_tokens=10)
+    other = tiny_llama(seed=7)
+    runners, unavailable = bench.build_runners(other, settings, TorchBackend(), prefix="other:")
+    report = bench.run_bench(target, word_prompts(2), settings, backend=TorchBackend(),
+                             extra=runners, extra_unavailable=unavailable)
+    names = [c["name"] for c in report["configs"] if c["available"]]
+    assert names == ["plain", "ngram k=2", "other:plain", "other:ngram k=2"]
+    mine = config(report, "other:ngram k=2")["overall"]
+    assert mine["identical"] is True and mine["speedup_vs_own_plain"] is not None
+    assert config(report, "other:plain")["overall"]["identical"] is False  # another model
+    assert config(report, "ngram k=2")["overall"]["identical"] is True
+
+
 def test_report_matches_the_written_schema(tiny_report):
     jsonschema.validate(tiny_report, REPORT_SCHEMA)
     jsonschema.validate(bench.summary_line(tiny_report), SUMMARY_SCHEMA)

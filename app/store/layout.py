@@ -24,6 +24,7 @@ from typing import Any
 from app.catalogue.registry import ModelSpec
 from app.store import integrity
 from app.store.integrity import FileRecord
+from backends import files_of
 
 MARKER = ".specdeck-complete.json"
 
@@ -33,7 +34,8 @@ def home() -> Path:
 
 
 def model_dir(model_id: str, backend: str) -> Path:
-    return home() / "models" / model_id / backend
+    """The folder of a model's files for a backend (llama.cpp reads the GGUF pulled for torch)."""
+    return home() / "models" / model_id / files_of(backend)
 
 
 def staging_dir(model_id: str, backend: str) -> Path:

@@ -240,9 +240,11 @@ class LlamaCppBackend:
         gguf = _gguf_file(Path(path))
         model = LlamaCppModel(gguf)
         if model.check_exactness() < 2:
-            # repacked weights are the usual cause: their gemm and gemv sum differently
-            model = LlamaCppModel(gguf, model.tokenizer, repack=False)
-            model.check_exactness()
+            # repacked weights are one cause (their gemm and gemv sum differently); unpacked
+            # ones cost more per row, so they are kept only where they verify in larger blocks
+            unpacked = LlamaCppModel(gguf, model.tokenizer, repack=False)
+            if unpacked.check_exactness() > model.row_block:
+                model = unpacked
         return model
 
     def draft_model_drafter(self, target: LlamaCppModel, draft: LlamaCppModel,

@@ -157,6 +157,59 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
     assert len(set(draft.tokens)) > 1
 
 
+def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(answers,
+                                                                               tmp_path):
+    """Across a whole speculative decoding, where rounds accept 0..k drafts, each round's
+    step-j draft distribution equals TTT's depth-j one on the decoded text wherever the
+    round's first j drafts were accepted: the head's cache follows the accepted path round
+    after round, so live acceptance can reach what training measures."""
+    from app import drafters
+    from app.core.engine import SpecEngine, last_done
+    from app.core.types import SamplingParams
+    from backends.torch.backend import TorchBackend, TorchModel
+    from backends.torch.heads.eagle import save_eagle3
+
+    hf = tiny_target()
+    head = fresh_head(hf)
+    loop.train(head, frozen_parts(hf, head), answers,
+               loop.LoopSettings(epochs=30, lr=3e-3, warmup=5, batch_tokens=256, depth=3,
+                                 save_every=1000), tmp_path / "work", "cpu", False,
+               lambda p: None)
+    target = TorchModel(hf, tiny_tokenizer(VOCAB), name="tiny-target", device="cpu")
+    drafter = drafters.build_drafter("eagle3", target, backend=TorchBackend(),
+                                     head=str(save_eagle3(head, tmp_path / "head")))
+    rounds = []
+    propose = drafter.propose
+
+    def recorded(context, k):
+        draft = propose(context, k)
+        rounds.append((len(context), draft))
+        return draft
+
+    drafter.propose = recorded
+    prompt = random_prompts(24)[2]  # a training prompt: the head knows its answer
+    done = last_done(SpecEngine(target).generate(
+        prompt, SamplingParams(temperature=1.0, seed=2, max_new_tokens=40),
+        drafter=drafter, k=4))
+    sequence = torch.tensor([[*prompt, *done.token_ids]])
+    with torch.no_grad():
+        states = hf(sequence, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i] for i in data.capture_layers(LAYERS)], dim=-1)
+        steps = [torch.softmax(s[0].double(), -1).numpy()
+                 for s in ttt_logits(drafter.head, hf.get_input_embeddings(), sequence, aux, 4)]
+    ids, text = draft_ids(drafter.head).numpy(), sequence[0].tolist()
+    checked = [0] * 4
+    for n_context, draft in rounds:
+        for j, q in enumerate(draft.probs if draft.tokens else []):
+            if text[n_context:n_context + j] != list(draft.tokens[:j]):
+                break  # an earlier draft was rejected: TTT fed other tokens from here on
+            np.testing.assert_allclose(q[ids], steps[j][n_context - 2], atol=1e-4)
+            checked[j] += 1
+    accepted_after_accepting = sum(
+        1 for (n, _), (m, _) in zip(rounds, rounds[1:]) if m - n > 1)
+    assert checked[0] == len(rounds) > 5 and checked[2] > 0 and accepted_after_accepting > 2
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answers, tmp_path):
     hf = tiny_target()
     settings = loop.LoopSettings(epochs=2, lr=1e-3, warmup=2, batch_tokens=128, depth=2,

@@ -114,3 +114,60 @@ def test_before_any_draft_is_timed_it_drafts_one_token_to_measure_the_cost():
     assert controller.choose() == 1
     controller.observe(1, 1, 0.0, 0.10, 0.0)  # a free drafter (prompt lookup)
     assert controller.choose() > 1
+
+
+def row_cost(rows: float) -> float:
+    return 0.10 + 0.03 * (rows - 1)  # each verify row adds 30% of a one-row forward (a CPU)
+
+
+ROWS = {n: row_cost(n) for n in range(1, 10)}  # what the engine probes for k_max 8
+
+
+def eagle2_rows(depth: int) -> int:
+    return 1 + min(4 * depth, 16)  # 4 children per level, 16 nodes at most
+
+
+def feed_depths(controller: KController, rows_of, accepted: int, rounds: int = 10) -> None:
+    """Steps at every depth (as exploration reaches them), each accepting `accepted` levels."""
+    for _ in range(rounds):
+        for depth in range(1, controller.k_max + 1):
+            rows = rows_of(depth)
+            controller.observe(depth, min(accepted, depth), 0.01 * depth, row_cost(rows), 0.0,
+                               source="eagle3-tree", rows=rows)
+
+
+def test_a_tree_whose_rows_cost_more_than_its_accepted_tokens_is_turned_off():
+    controller = KController(k_max=8)
+    controller.seed_costs(ROWS)
+    feed_depths(controller, eagle2_rows, accepted=1)
+    # depth 1 commits ~2 tokens for 5 rows (0.22 s) and a level (0.01 s): 8.7 tok/s < plain 10
+    assert controller.choose() == 0
+
+
+def test_a_chain_is_still_priced_at_k_plus_one_rows():
+    controller = KController(k_max=8)
+    controller.seed_costs(ROWS)
+    feed_depths(controller, lambda depth: depth + 1, accepted=1)
+    assert [controller.rows(k) for k in range(9)] == list(range(1, 10))
+    draft_s = 3 * (controller.draft_token_s or 0.0)
+    assert controller.step_seconds(3) == draft_s + controller.verify_s[4] + controller.overhead_s
+    # the same acceptance and costs as the tree above, on 2 rows: 2 tokens / 0.14 s pays
+    assert controller.choose() == 1
+
+
+def test_a_tree_whose_accepted_tokens_pay_for_its_rows_keeps_speculating():
+    controller = KController(k_max=8)
+    controller.seed_costs(FLAT)
+    for _ in range(10):
+        for depth in range(1, 9):
+            controller.observe(depth, depth, 0.0, 0.10, 0.0, rows=eagle2_rows(depth))
+    assert controller.choose() == 8
+
+
+def test_an_unseen_depth_is_priced_with_at_least_the_rows_of_the_deepest_shallower_one_seen():
+    controller = KController(k_max=8)
+    controller.observe(2, 1, 0.02, 0.1, 0.0, rows=9)
+    assert controller.rows(1) == 2  # nothing seen at or below depth 1: a chain's rows
+    assert controller.rows(2) == 9
+    assert controller.rows(5) == 9  # a depth-5 tree holds its depth-2 cut
+    assert controller.rows(9) == 10  # never fewer than a chain's

@@ -1,9 +1,13 @@
 """Cost-aware draft length: choose k per step to maximise expected committed tokens per second.
 
 Knows: the cost model of ALGORITHMS.md 9.1 (E(k) = 1 + sum_j prod_{i<=j} a_i committed tokens
-for T(k) = k * t_draft + T_verify(k + 1) + overhead seconds), running estimates of the
-per-position conditional acceptance a_j, the measured verify cost curve and the draft cost
-per token. Must not know: models, backends, the engine's loop (it is fed observations).
+for T(k) = k * t_draft + T_verify(rows(k)) + overhead seconds), running estimates of the
+per-position conditional acceptance a_j, the measured verify cost curve, the draft cost per
+token and the rows a draft of depth k verifies: k + 1 for a chain, its nodes + 1 for a tree
+(an EAGLE-2 tree of depth 4 and 16 nodes: 17), learned from the steps observed. For a tree,
+"position j" is depth j: a_j is how often its accepted path went one level deeper, and
+t_draft its cost per level. Must not know: models, backends, the engine's loop (it is fed
+observations).
 
 k = 0 means plain decoding for that step. While speculation does not pay it stays off, but
 after `explore_every` steps one step drafts again so a change in the text (a quoted block of
@@ -35,6 +39,9 @@ class KController:
     # have their own): a free lookup must not make model drafting look free
     draft_costs: dict[str, float] = field(default_factory=dict)
     overhead_s: float = 0.0  # per-step time outside draft and verify (EMA)
+    # depth -> verify rows beyond a chain's depth + 1 (EMA): a tree drafter's steps priced
+    # at k + 1 rows looked cheap and kept EAGLE-2 trees on at 0.6-0.7x plain (measured)
+    extra_rows: dict[int, float] = field(default_factory=dict)
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
@@ -72,9 +79,21 @@ class KController:
 
     def step_seconds(self, k: int) -> float:
         draft = k * (self.draft_token_s or 0.0)
-        return draft + self.verify_cost(k + 1) + self.overhead_s
+        return draft + self.verify_cost(self.rows(k)) + self.overhead_s
 
-    def verify_cost(self, rows: int) -> float:
+    def rows(self, k: int) -> float:
+        """The verify rows of a draft of depth k: as observed, else k + 1 (a chain's).
+
+        An unseen depth gets at least the rows of the deepest shallower one seen: a tree holds
+        its shallower cuts (Draft.within), and priced as a chain every deeper depth would look
+        cheap until tried.
+        """
+        if k in self.extra_rows:
+            return k + 1 + self.extra_rows[k]
+        shallower = [d + 1 + extra for d, extra in self.extra_rows.items() if d < k]
+        return max([k + 1, *shallower])
+
+    def verify_cost(self, rows: float) -> float:
         """Measured cost of a forward over `rows` tokens, interpolated between known sizes."""
         if rows in self.verify_s:
             return self.verify_s[rows]
@@ -121,9 +140,15 @@ class KController:
         """Fold one step's outcome and timings into the estimates.
 
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
-        a tree (n_drafted is then its depth), else n_drafted + 1.
+        a tree (n_drafted is then its depth and n_accepted its accepted path), else
+        n_drafted + 1.
         """
         rows = rows or n_drafted + 1
+        # kept as rows beyond depth + 1: a chain's stay exactly 0, so its k is priced at
+        # exactly the probed k + 1 rows (an EMA of k + 1 itself may round off them)
+        if n_drafted:
+            self.extra_rows[n_drafted] = _ema(self.extra_rows.get(n_drafted),
+                                              rows - n_drafted - 1)
         old = self.verify_s.get(rows)
         self.verify_s[rows] = _ema(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)

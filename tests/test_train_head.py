@@ -109,9 +109,11 @@ def test_training_lowers_the_ttt_loss_and_raises_depth_one_accuracy(answers, tmp
             batch = loop.make_batch(answers, list(range(len(answers))), head.t2d, frozen, "cpu")
             return float(ttt_step(head, frozen.embed, batch, 3).loss)
 
-    before, acc_before = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu", False)
+    before, acc_before = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu",
+                                               False).per_depth
     loop.train(head, frozen, answers, settings, tmp_path, "cpu", False, lambda p: None)
-    after, acc_after = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu", False)
+    after, acc_after = loss(), loop.evaluate(head, frozen, answers, 3, 256, "cpu",
+                                             False).per_depth
     # the loss keeps the targets' entropy (soft targets); the part the head controls falls
     assert after < before - 1.0
     assert acc_before[0] < 0.2 and acc_after[0] > 0.6 and acc_after[2] > 0.5
@@ -210,6 +212,35 @@ def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(an
     assert checked[0] == len(rounds) > 5 and checked[2] > 0 and accepted_after_accepting > 2
 
 
+def test_a_chain_counts_a_depth_only_where_every_earlier_depth_was_right(answers, tmp_path):
+    """Teacher-forced top-1 at depth j counts rows whatever the earlier depths guessed; a
+    greedy chain reaches depth j only where all of them were right, and that is what training
+    reports as the chain accuracy (and tau)."""
+    hf = tiny_target()
+    head = fresh_head(hf)
+    frozen = frozen_parts(hf, head)
+    loop.train(head, frozen, answers, loop.LoopSettings(epochs=10, lr=3e-3, warmup=5,
+                                                        batch_tokens=256, depth=3),
+               tmp_path, "cpu", False, lambda p: None)
+    batch = loop.make_batch(answers, list(range(len(answers))), head.t2d, frozen, "cpu")
+    with torch.no_grad():
+        result = ttt_step(head, frozen.embed, batch, 3)
+        steps = list(ttt_logits(head, frozen.embed, batch.tokens, batch.aux, 3))
+    alive, by_hand = torch.ones_like(batch.counts), []
+    for j, logits in enumerate(steps):
+        target = torch.zeros_like(batch.target_logits)
+        target[:, :target.shape[1] - 1 - j] = batch.target_logits[:, 1 + j:]
+        counted = torch.zeros_like(batch.counts)
+        counted[:, :counted.shape[1] - 2 - j] = batch.counts[:, 2 + j:]
+        alive = alive & counted & (logits.argmax(-1) == target.argmax(-1))
+        by_hand.append(int(alive.sum()))
+    assert list(result.chained) == by_hand
+    assert result.chained[0] == result.correct[0] and result.chained[2] < result.correct[2]
+    accuracy = loop.evaluate(head, frozen, answers, 3, 256, "cpu", False)
+    assert accuracy.chained[2] < accuracy.per_depth[2]
+    assert accuracy.tau == pytest.approx(1 + sum(accuracy.chained))
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answers, tmp_path):
     hf = tiny_target()
     settings = loop.LoopSettings(epochs=2, lr=1e-3, warmup=2, batch_tokens=128, depth=2,
@@ -284,7 +315,9 @@ def test_saved_head_has_the_eagle3_names_shapes_and_config_keys(tmp_path, monkey
     assert spec.draft_vocab_size == 32 and torch.equal(head.d2t, d2t)
     lines = (folder / training_prompts.PROMPTS_FILE).read_text().splitlines()
     assert len(lines) == summary["prompts"] == 12
-    assert len(summary["held_out_accuracy"]) == 2
+    assert len(summary["held_out_accuracy"]) == len(summary["held_out_chain_accuracy"]) == 2
+    assert summary["held_out_tau"] == pytest.approx(1 + sum(summary["held_out_chain_accuracy"]),
+                                                    abs=2e-3)
 
 
 def install_as_smollm2(tmp_path: Path) -> None:
@@ -306,7 +339,7 @@ def test_the_models_tab_trains_a_head_for_the_pairs_target_with_progress(tmp_pat
     pages = list(train_head("smollm2-135m+ngram", "mt-bench", 4))
     assert any('data-phase="data"' in p for p in pages)
     assert any('data-phase="train"' in p and "top-1 by depth" in p for p in pages)
-    assert 'data-finished="true"' in pages[-1]
+    assert 'data-finished="true"' in pages[-1] and "as a chain" in pages[-1]
     assert "smollm2-135m-instruct+eagle3-trained" in pages[-1]
     assert "pick a pair" in next(train_head(None, "mt-bench", 4))
 

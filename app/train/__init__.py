@@ -132,11 +132,18 @@ def _command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    acc = " ".join(f"{a:.2f}" for a in summary["held_out_accuracy"])
     print(f"head: {summary['folder']}")
     if "pair" in summary:
         print(f"pair: {summary['pair']} (listed by `specdeck models`)")
     print(f"{summary['prompts']} prompts, {summary['tokens']} tokens "
-          f"({summary['answer_tokens']} answered), {summary['seconds']:.0f} s; held-out top-1 "
-          f"by depth: {acc}")
+          f"({summary['answer_tokens']} answered), {summary['seconds']:.0f} s; "
+          f"{accuracy_line(summary)}")
     return 0
+
+
+def accuracy_line(summary: dict[str, Any]) -> str:
+    """Held-out top-1 per depth, teacher-forced and as a greedy chain (what drafting gets)."""
+    def row(key: str) -> str:
+        return " ".join(f"{a:.2f}" for a in summary[key])
+    return (f"held-out top-1 by depth {row('held_out_accuracy')}; as a chain "
+            f"{row('held_out_chain_accuracy')} (tau {summary['held_out_tau']:.2f})")

@@ -29,7 +29,7 @@ def progress_html(p: TrainProgress) -> str:
 
 def train_head(pair_id: str | None, sources: str, limit: float | None) -> Iterator[str]:
     """Train an EAGLE-3 head for the pair's target; yields the progress HTML."""
-    from app.train import run
+    from app.train import accuracy_line, run
 
     if not pair_id:
         yield _note("pick a pair first: the head is trained for its target")
@@ -43,10 +43,9 @@ def train_head(pair_id: str | None, sources: str, limit: float | None) -> Iterat
         yield _note(job.error)
         return
     done = job.done
-    acc = " ".join(f"{a:.2f}" for a in done["held_out_accuracy"])
     where = f"pair {done['pair']}" if "pair" in done else done["folder"]
     yield (f'<div class="sd-progress" data-finished="true">head trained: {html.escape(where)}; '
-           f'held-out top-1 by depth {acc}</div>')
+           f'{html.escape(accuracy_line(done))}</div>')
 
 
 def _note(text: str) -> str:

@@ -155,11 +155,25 @@ class _Running:
         return tuple(c / n if n else 0.0 for c, n in zip(self.correct, self.rows))
 
 
+@dataclass(frozen=True)
+class Accuracy:
+    """Held-out top-1 per TTT depth: teacher-forced (each depth fed the data's tokens) and as
+    a chain (every depth up to this one right: the share of steps a greedy chain of that length
+    is accepted, so tau = 1 + sum(chained) tokens per step)."""
+
+    per_depth: tuple[float, ...]
+    chained: tuple[float, ...]
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.chained)
+
+
 @torch.no_grad()
 def evaluate(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example], depth: int,
-             budget: int, device: str, bf16: bool) -> tuple[float, ...]:
+             budget: int, device: str, bf16: bool) -> Accuracy:
     """Top-1 accuracy per TTT depth over these examples (the data's own tokens fed back)."""
-    correct, rows = [0] * depth, [0] * depth
+    correct, rows, chained = [0] * depth, [0] * depth, [0] * depth
     for idx in batches(examples, budget, 0, 0):
         batch = make_batch(examples, idx, head.t2d.cpu(), frozen, device)
         with autocast(device, bf16):
@@ -167,7 +181,10 @@ def evaluate(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example], dept
         for j in range(depth):
             correct[j] += result.correct[j]
             rows[j] += result.rows[j]
-    return tuple(c / n if n else 0.0 for c, n in zip(correct, rows))
+            chained[j] += result.chained[j]
+    roots = max(rows[0], 1)  # a chain's share is over every row it could start from
+    return Accuracy(tuple(c / n if n else 0.0 for c, n in zip(correct, rows)),
+                    tuple(c / roots for c in chained))
 
 
 # ---- checkpoints -----------------------------------------------------------------------

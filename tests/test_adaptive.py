@@ -171,3 +171,52 @@ def test_an_unseen_depth_is_priced_with_at_least_the_rows_of_the_deepest_shallow
     assert controller.rows(2) == 9
     assert controller.rows(5) == 9  # a depth-5 tree holds its depth-2 cut
     assert controller.rows(9) == 10  # never fewer than a chain's
+
+
+DRAFT_S = 0.05  # half a target forward per draft token: one accepted token does not repay it
+
+
+def off_controller() -> KController:
+    """A controller that has learnt its drafter loses: every draft rejected, drafting dear."""
+    controller = KController(k_max=4, explore_every=8, max_explore_gap=64)
+    controller.seed_costs(FLAT)
+    feed(controller, 30, n_drafted=2, n_accepted=0, draft_s=2 * DRAFT_S)
+    return controller
+
+
+def run_plain(controller: KController, steps: int) -> list[int]:
+    """Choose `steps` times; rejected drafts and plain steps observed as they happen."""
+    choices = []
+    for _ in range(steps):
+        k = controller.choose()
+        controller.observe(k, 0, k * DRAFT_S, controller.verify_cost(k + 1), 0.0)
+        choices.append(k)
+    return choices
+
+
+def test_a_long_plain_stretch_keeps_speculation_off_but_for_explorations():
+    controller = off_controller()
+    choices = run_plain(controller, 300)
+    # explorations only: after 8, 16, 32, then every 64 steps (evidence aged every step had
+    # let the prior of 0.6 take over and turn speculation back on)
+    assert sum(k > 0 for k in choices) <= 7
+
+
+def test_an_exploration_whose_draft_is_accepted_brings_the_next_one_sooner():
+    controller = off_controller()
+    run_plain(controller, 8 + 16 + 32 + 64)  # the wait has grown to its cap
+    for _ in range(64):
+        k = controller.choose()
+        if k:
+            controller.observe(k, k, k * DRAFT_S, controller.verify_cost(k + 1), 0.0)
+            break
+        controller.observe(0, 0, 0.0, controller.verify_cost(1), 0.0)
+    choices = run_plain(controller, 9)
+    assert any(choices)  # explored again within explore_every steps, not 64
+
+
+def test_a_new_generation_explores_after_explore_every_steps_again():
+    controller = off_controller()
+    run_plain(controller, 8 + 16 + 32 + 64)
+    controller.new_text()
+    assert any(run_plain(controller, 8))

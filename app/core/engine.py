@@ -232,8 +232,10 @@ class SpecEngine:
         tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=call.k_max)
         try:
             self.session.rewind(reuse)
-            if call.controller is not None and not call.controller.verify_s:
-                call.controller.seed_costs(self._probe_verify_costs(prompt[0], call.k_max))
+            if call.controller is not None:
+                call.controller.new_text()
+                if not call.controller.verify_s:
+                    call.controller.seed_costs(self._probe_verify_costs(prompt[0], call.k_max))
             start = time.perf_counter()
             first_out = self.session.forward(prompt[reuse:], n_logits=1,
                                              capture=drafter.capture_layers)

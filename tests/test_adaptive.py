@@ -215,8 +215,10 @@ def test_an_exploration_whose_draft_is_accepted_brings_the_next_one_sooner():
     assert any(choices)  # explored again within explore_every steps, not 64
 
 
-def test_a_new_generation_explores_after_explore_every_steps_again():
+def test_a_new_generation_caps_the_wait_for_the_next_exploration():
     controller = off_controller()
-    run_plain(controller, 8 + 16 + 32 + 64)
+    controller.new_text_gap = 32
+    run_plain(controller, 8 + 16 + 32 + 64)  # explored at the last step; the wait is now 64
     controller.new_text()
-    assert any(run_plain(controller, 8))
+    choices = run_plain(controller, 32)
+    assert any(choices[-1:]) and not any(choices[:-1])

@@ -202,7 +202,7 @@ def test_a_long_plain_stretch_keeps_speculation_off_but_for_explorations():
     assert sum(k > 0 for k in choices) <= 7
 
 
-def test_an_exploration_whose_draft_is_accepted_brings_the_next_one_sooner():
+def test_an_exploration_that_pays_brings_the_next_one_sooner():
     controller = off_controller()
     run_plain(controller, 8 + 16 + 32 + 64)  # the wait has grown to its cap
     for _ in range(64):
@@ -222,3 +222,15 @@ def test_a_new_generation_caps_the_wait_for_the_next_exploration():
     controller.new_text()
     choices = run_plain(controller, 32)
     assert any(choices[-1:]) and not any(choices[:-1])
+
+
+def test_an_exploration_whose_rows_cost_more_than_its_accepted_token_keeps_the_long_wait():
+    controller = off_controller()
+    run_plain(controller, 8 + 16 + 32 + 64)
+    for _ in range(64):
+        k = controller.choose()
+        if k:  # a tree's first level accepted, verified over 17 rows at 5x a plain step
+            controller.observe(k, k, k * DRAFT_S, 0.5, 0.0, rows=17)
+            break
+        controller.observe(0, 0, 0.0, controller.verify_cost(1), 0.0)
+    assert not any(run_plain(controller, 9))

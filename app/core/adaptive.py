@@ -172,7 +172,6 @@ class KController:
         if n_drafted:
             cost = self.draft_costs.get(source)
             self.draft_costs[source] = _ema(cost, draft_s / n_drafted)
-        if n_drafted:
             # evidence ages with the drafts seen, and faster after a long plain stretch (the
             # text may have changed); aged every step, the prior took over while speculation
             # was off and turned it back on (an EAGLE-3 head at 13% acceptance: 0.94x plain)

@@ -23,6 +23,7 @@ from backends import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
+from backends.torch.decoder import LeanDecoder, chain_keys, lean_reason, tree_keys, tree_positions
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
 from backends.torch.quant import (
@@ -124,7 +125,9 @@ class TorchSession:
         self._model = model
         self.exact = exact
         self.min_rows = model.min_rows if exact else 1
-        self._cache = DynamicCache(config=model.hf.config)
+        self._lean = model.lean
+        self._static = self._lean.new_cache() if self._lean is not None else None
+        self._cache = DynamicCache(config=model.hf.config) if self._static is None else None
         self._ids: list[int] = []
         self._capture = tuple(capture_layers)  # captured on every forward
         self._want: frozenset[int] = frozenset()
@@ -133,6 +136,8 @@ class TorchSession:
 
     @property
     def length(self) -> int:
+        if self._static is not None:
+            return self._static.length
         return self._cache.get_seq_length()
 
     @property
@@ -175,6 +180,8 @@ class TorchSession:
         pad = max(self.min_rows - len(rows), 0)
         ids = torch.tensor([rows + rows[-1:] * pad], dtype=torch.long, device=self._model.device)
         keep = max(end - max(start, first_logit), 0)
+        if self._static is not None:
+            return self._lean_block(rows, pad, keep, base, start, end, tree)
         extra = {} if tree is None else _tree_inputs(tree, base, start, end, pad,
                                                       self._model.device)
         with torch.inference_mode():
@@ -186,10 +193,30 @@ class TorchSession:
                 self._captured[layer][-1] = self._captured[layer][-1][:len(rows)]
         return out.logits[0, :keep]
 
+    def _lean_block(self, rows: list[int], pad: int, keep: int, base: int, start: int,
+                    end: int, tree: tuple[int, ...] | None) -> torch.Tensor:
+        """_block on the model's LeanDecoder: the same rows, keys and positions."""
+        first, n = self.length, len(rows) + pad
+        if tree is None:
+            positions, keys = list(range(first, first + n)), chain_keys(first, n)
+        else:
+            positions = tree_positions(tree, base, start, end, pad)
+            keys = tree_keys(tree, base, start, end, pad)
+        logits, hidden = self._lean.forward(self._static, rows + rows[-1:] * pad,
+                                                  positions, keys, keep + pad, self._want)
+        self._static.length -= pad
+        for layer, rows_out in hidden.items():
+            self._captured[layer].append(rows_out[:len(rows)])
+        return logits[:keep]
+
     def keep(self, length: int, rows: Sequence[int]) -> None:
         rows = list(rows)
         if rows == list(range(len(rows))):
             self.rewind(length + len(rows))
+            return
+        if self._static is not None:
+            self._static.select(length, [length + r for r in rows])
+            self._ids[length:] = [self._ids[length + r] for r in rows]
             return
         index = torch.tensor([*range(length), *(length + r for r in rows)],
                              device=self._model.device)
@@ -205,6 +232,9 @@ class TorchSession:
         del self._ids[length:]
 
     def _crop(self, length: int) -> None:
+        if self._static is not None:
+            self._static.length = min(self._static.length, length)
+            return
         # per layer: a forward interrupted by an exception can leave layers of unequal length
         for layer in self._cache.layers:
             extra = layer.get_seq_length() - length
@@ -219,7 +249,8 @@ class TorchSession:
             raise SpecdeckError(f"{self._model.name} has {self._model.n_layers} layers; "
                                 f"cannot capture {sorted(bad)}")
         for layer in want - self._hooked:
-            self._model.layers[layer].register_forward_hook(self._hook(layer))
+            if self._static is None:  # the lean forward hands its layers' outputs over itself
+                self._model.layers[layer].register_forward_hook(self._hook(layer))
             self._hooked.add(layer)
         self._want = want
         self._captured = {i: [] for i in want}
@@ -296,6 +327,8 @@ class TorchModel:
         self.row_block = MAX_VERIFY_ROWS  # verify rows per forward; set by check_exactness
         self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
         self.source: Path | None = None  # the folder it was loaded from, when it was
+        # CPU sessions run the lean forward where it computes this model (decoder.py)
+        self.lean = LeanDecoder(hf) if device == "cpu" and lean_reason(hf) is None else None
 
     def check_exactness(self) -> None:
         """On CPU, find the verify block size that keeps each row's bits (exactness.py).

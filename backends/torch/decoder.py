@@ -1,0 +1,233 @@
+"""A lean forward for Llama-style decoders on CPU: transformers' own modules (norms, fused
+projections, rotary embedding, output layer) called in the order its layers call them, over a
+static KV cache, with row-wise attention.
+
+Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral without a
+sliding window), torch ops, the row-wise attention rule of backends/torch/attention.py. Must
+not know: drafting or verification rules, sessions' block splitting and padding (backend.py).
+
+Why: at one row per forward the 1.5B Qwen's int4 decode step spent about 25 of its 95 ms
+outside the matmuls: transformers' per-layer scaffolding (mask and position plumbing, cache
+concatenation, kwargs, output objects, hooks), which llama.cpp does not pay. The math here is
+the same ops on the same tensors, so a row gets the bits the transformers forward gives it:
+every exactness promise (row invariance, tree rows equal to their chain twins) carries over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from backends.torch.attention import MAX_ROWWISE_ROWS
+
+# model types whose decoder layers are input norm, attention (q/k/v with optional bias, rope,
+# o), post-attention norm, gated MLP: the only layout this forward computes
+LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral"})
+FIRST_CAPACITY = 512  # cache slots allocated at first; doubled as the sequence grows
+
+Keys = slice | torch.Tensor  # the cache slots one query row attends to
+
+
+def lean_reason(hf: Any) -> str | None:
+    """None when this forward computes `hf` exactly as transformers does, else why not."""
+    config = hf.config
+    if config.model_type not in LLAMA_STYLE:
+        return f"model type {config.model_type} is not a Llama-style decoder"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "it has sliding-window or recurrent layers"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "it attends through a sliding window"
+    if config.hidden_act != "silu":
+        return f"its activation is {config.hidden_act}"
+    for layer in hf.model.layers:
+        if not (hasattr(layer.self_attn, "qkv_fused") and hasattr(layer.mlp, "gate_up_fused")):
+            return "its projections are not fused"
+    return None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.nn.Module
+    qkv: torch.nn.Module
+    o_proj: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate_up: torch.nn.Module
+    down_proj: torch.nn.Module
+    intermediate: int
+
+
+class StaticKV:
+    """Keys and values of every layer in preallocated slots [layers, kv heads, slots, dim];
+    slot i holds the sequence's i-th token. Cutting back is setting `length`."""
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 limit: int) -> None:
+        self.limit = limit
+        self.length = 0
+        shape = (n_layers, kv_heads, min(FIRST_CAPACITY, limit), head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+
+    def reserve(self, slots: int) -> None:
+        """Room for `slots` tokens in all (doubling, up to the context length)."""
+        have = self.keys.shape[2]
+        if slots <= have:
+            return
+        size = min(max(slots, 2 * have), max(self.limit, slots))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
+            new[:, :, :have] = old
+            setattr(self, name, new)
+
+    def select(self, length: int, slots: Sequence[int]) -> None:
+        """Keep the first `length` tokens, then the tokens in `slots` (ascending), in order."""
+        index = torch.tensor(list(slots), dtype=torch.long)
+        end = length + len(index)
+        self.keys[:, :, length:end] = self.keys.index_select(2, index)
+        self.values[:, :, length:end] = self.values.index_select(2, index)
+        self.length = end
+
+
+class LeanDecoder:
+    """The forward of a Llama-style transformers model, module by module, on a StaticKV."""
+
+    def __init__(self, hf: Any) -> None:
+        config = hf.config
+        self._hf = hf
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None)
+                            or config.hidden_size // config.num_attention_heads)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self._layers = [_Layer(layer.input_layernorm, layer.self_attn.qkv_fused.layer,
+                               layer.self_attn.o_proj, layer.post_attention_layernorm,
+                               layer.mlp.gate_up_fused.layer, layer.mlp.down_proj,
+                               int(layer.mlp.gate_up_fused.sizes[0]))
+                        for layer in hf.model.layers]
+        self._scaling = float(hf.model.layers[0].self_attn.scaling)
+        self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
+
+    def new_cache(self) -> StaticKV:
+        return StaticKV(len(self._layers), self.kv_heads, self.head_dim, self._hf.dtype,
+                        self.context_length)
+
+    @torch.inference_mode()
+    def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
+                keys: Sequence[Keys] | None, n_logits: int,
+                capture: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [n_logits, vocab] of the last rows and the captured layers' outputs [rows,
+        hidden]; the rows' keys and values land in slots cache.length onwards, and
+        cache.length advances by the rows. `keys` names each row's visible slots (None: a
+        causal prompt, attended in one call)."""
+        n, first = len(token_ids), cache.length
+        cache.reserve(first + n)
+        model = self._hf.model
+        x = model.embed_tokens(torch.tensor(token_ids, dtype=torch.long))
+        cos, sin = model.rotary_emb(x[None], torch.tensor([list(positions)]))
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim]: broadcast over heads
+        want = frozenset(capture)
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self._layers):
+            x = x + layer.o_proj(self._attention(layer, index, x, cache, first, cos, sin, keys))
+            gate_up = layer.gate_up(layer.post_norm(x))
+            gate, up = gate_up.narrow(-1, 0, layer.intermediate), gate_up.narrow(
+                -1, layer.intermediate, layer.intermediate)
+            x = x + layer.down_proj(F.silu(gate) * up)
+            if index in want:
+                captured[index] = x
+        cache.length = first + n
+        head = self._hf.get_output_embeddings()
+        return head(model.norm(x[n - n_logits:])) if n_logits else x[:0], captured
+
+    def _attention(self, layer: _Layer, index: int, x: torch.Tensor, cache: StaticKV,
+                   first: int, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: Sequence[Keys] | None) -> torch.Tensor:
+        n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = layer.qkv(layer.input_norm(x))
+        q, k = _rotary(qkv.narrow(-1, 0, heads * dim).view(n, heads, dim),
+                       qkv.narrow(-1, heads * dim, kv_heads * dim).view(n, kv_heads, dim),
+                       cos, sin)
+        v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim).view(n, kv_heads, dim)
+        end = first + n
+        cache.keys[index, :, first:end] = k.transpose(0, 1)
+        cache.values[index, :, first:end] = v.transpose(0, 1)
+        if keys is None:
+            # a first prompt attends to its own rows as transformers hands them over (SDPA's
+            # bits depend on the strides of its keys); a later one to the cache's slots
+            key, value = ((k.transpose(0, 1)[None], v.transpose(0, 1)[None]) if first == 0 else
+                          (cache.keys[index, None, :, :end].contiguous(),
+                           cache.values[index, None, :, :end].contiguous()))
+            return self._prompt_attention(q, key, value, first)
+        key, value = cache.keys[index, None, :, :end], cache.values[index, None, :, :end]
+        packed = q.view(n, kv_heads, heads // kv_heads, dim)
+        rows = [F.scaled_dot_product_attention(packed[r][None], key[:, :, seen],
+                                               value[:, :, seen], scale=self._scaling)
+                for r, seen in enumerate(keys)]
+        return torch.stack(rows).reshape(n, heads * dim)
+
+    def _prompt_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          first: int) -> torch.Tensor:
+        n, end = q.shape[0], key.shape[2]
+        # transformers drops the mask of a first prompt and lets SDPA be causal itself
+        mask = (None if first == 0 else
+                torch.ones((n, end), dtype=torch.bool).tril(diagonal=first)[None, None])
+        out, _ = sdpa_attention_forward(self._attn, q.transpose(0, 1)[None], key, value, mask,
+                                        scaling=self._scaling)
+        return out.reshape(n, self.heads * self.head_dim)
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb, elementwise the same, on [rows, heads, dim]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def chain_keys(first: int, n: int) -> list[Keys] | None:
+    """Each row of a chain sees every slot up to its own; None for a prompt (one causal
+    call, as transformers computes it past the row-wise limit)."""
+    if n > MAX_ROWWISE_ROWS:
+        return None
+    return [slice(0, first + r + 1) for r in range(n)]
+
+
+def tree_keys(parents: Sequence[int], base: int, start: int, end: int, pad: int) -> list[Keys]:
+    """Rows start..end of a tree whose row 0 sits in slot `base`: the prefix and the row's
+    ancestors in slot order (a slice where contiguous); padding rows see the prefix and
+    themselves."""
+    out: list[Keys] = []
+    for r in range(start, end):
+        path, node = [], r
+        while node >= 0:
+            path.append(base + node)
+            node = parents[node]
+        path.reverse()
+        out.append(_slots(base, path))
+    out += [_slots(base, [base + end + i]) for i in range(pad)]
+    return out
+
+
+def _slots(base: int, extra: list[int]) -> Keys:
+    if extra == list(range(base, base + len(extra))):
+        return slice(0, base + len(extra))
+    return torch.tensor([*range(base), *extra], dtype=torch.long)
+
+
+def tree_positions(parents: Sequence[int], base: int, start: int, end: int,
+                   pad: int) -> list[int]:
+    """Position ids of rows start..end (cache length + depth), then of padding rows."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    positions = [base + d for d in depth[start:end]]
+    return positions + [positions[-1] + 1 + i for i in range(pad)]

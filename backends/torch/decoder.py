@@ -150,9 +150,10 @@ class LeanDecoder:
                    keys: Sequence[Keys] | None) -> torch.Tensor:
         n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = layer.qkv(layer.input_norm(x))
-        q, k = _rotary(qkv.narrow(-1, 0, heads * dim).view(n, heads, dim),
-                       qkv.narrow(-1, heads * dim, kv_heads * dim).view(n, kv_heads, dim),
-                       cos, sin)
+        # queries and keys rotate as one tensor: elementwise, so each gets its own bits
+        qk = _rotary(qkv.narrow(-1, 0, (heads + kv_heads) * dim).view(n, heads + kv_heads, dim),
+                     cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
         v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim).view(n, kv_heads, dim)
         end = first + n
         cache.keys[index, :, first:end] = k.transpose(0, 1)
@@ -160,16 +161,17 @@ class LeanDecoder:
         if keys is None:
             # a first prompt attends to its own rows as transformers hands them over (SDPA's
             # bits depend on the strides of its keys); a later one to the cache's slots
-            key, value = ((k.transpose(0, 1)[None], v.transpose(0, 1)[None]) if first == 0 else
+            key, value = ((k.contiguous().transpose(0, 1)[None], v.transpose(0, 1)[None])
+                          if first == 0 else
                           (cache.keys[index, None, :, :end].contiguous(),
                            cache.values[index, None, :, :end].contiguous()))
-            return self._prompt_attention(q, key, value, first)
+            return self._prompt_attention(q.contiguous(), key, value, first)
         key, value = cache.keys[index, None, :, :end], cache.values[index, None, :, :end]
         packed = q.view(n, kv_heads, heads // kv_heads, dim)
         rows = [F.scaled_dot_product_attention(packed[r][None], key[:, :, seen],
                                                value[:, :, seen], scale=self._scaling)
                 for r, seen in enumerate(keys)]
-        return torch.stack(rows).reshape(n, heads * dim)
+        return (rows[0] if n == 1 else torch.stack(rows)).reshape(n, heads * dim)
 
     def _prompt_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           first: int) -> torch.Tensor:
@@ -182,10 +184,9 @@ class LeanDecoder:
         return out.reshape(n, self.heads * self.head_dim)
 
 
-def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, elementwise the same, on [rows, heads, dim]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -281,9 +281,6 @@ def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad:
                  device: str) -> dict[str, torch.Tensor]:
     """position_ids (cache length + depth) and a boolean [1, 1, rows, keys] ancestor mask for
     rows start..end of a tree forward whose first row sits at `base` in the cache."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
     rows = end - start
     keys = base + end + pad
     mask = torch.zeros((1, 1, rows + pad, keys), dtype=torch.bool, device=device)
@@ -295,8 +292,7 @@ def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad:
             node = parents[node]
     for i in range(pad):  # padding rows see the prefix and themselves; nobody sees them
         mask[0, 0, rows + i, base + end + i] = True
-    positions = [base + d for d in depth[start:end]]
-    positions += [positions[-1] + 1 + i for i in range(pad)]
+    positions = tree_positions(parents, base, start, end, pad)
     return {"position_ids": torch.tensor([positions], device=device), "attention_mask": mask}
 
 

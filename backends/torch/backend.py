@@ -23,7 +23,13 @@ from backends import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
-from backends.torch.decoder import LeanDecoder, chain_keys, lean_reason, tree_keys, tree_positions
+from backends.torch.decoder import (
+    LeanDecoder,
+    chain_keys,
+    lean_reason,
+    tree_keys,
+    tree_positions,
+)
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
 from backends.torch.quant import (
@@ -126,7 +132,8 @@ class TorchSession:
         self.exact = exact
         self.min_rows = model.min_rows if exact else 1
         self._lean = model.lean
-        self._static = self._lean.new_cache() if self._lean is not None else None
+        self._static = (self._lean.new_cache(model.context_length) if self._lean is not None
+                        else None)
         self._cache = DynamicCache(config=model.hf.config) if self._static is None else None
         self._ids: list[int] = []
         self._capture = tuple(capture_layers)  # captured on every forward
@@ -178,10 +185,10 @@ class TorchSession:
         rows = real[start:end]
         # padding rows sit after the real ones: causal attention keeps them invisible
         pad = max(self.min_rows - len(rows), 0)
-        ids = torch.tensor([rows + rows[-1:] * pad], dtype=torch.long, device=self._model.device)
         keep = max(end - max(start, first_logit), 0)
         if self._static is not None:
             return self._lean_block(rows, pad, keep, base, start, end, tree)
+        ids = torch.tensor([rows + rows[-1:] * pad], dtype=torch.long, device=self._model.device)
         extra = {} if tree is None else _tree_inputs(tree, base, start, end, pad,
                                                       self._model.device)
         with torch.inference_mode():
@@ -202,8 +209,8 @@ class TorchSession:
         else:
             positions = tree_positions(tree, base, start, end, pad)
             keys = tree_keys(tree, base, start, end, pad)
-        logits, hidden = self._lean.forward(self._static, rows + rows[-1:] * pad,
-                                                  positions, keys, keep + pad, self._want)
+        logits, hidden = self._lean.forward(self._static, rows + rows[-1:] * pad, positions,
+                                            keys, keep + pad, self._want)
         self._static.length -= pad
         for layer, rows_out in hidden.items():
             self._captured[layer].append(rows_out[:len(rows)])
@@ -281,17 +288,11 @@ def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad:
                  device: str) -> dict[str, torch.Tensor]:
     """position_ids (cache length + depth) and a boolean [1, 1, rows, keys] ancestor mask for
     rows start..end of a tree forward whose first row sits at `base` in the cache."""
-    rows = end - start
-    keys = base + end + pad
-    mask = torch.zeros((1, 1, rows + pad, keys), dtype=torch.bool, device=device)
-    mask[..., :base] = True
-    for r in range(start, end):
-        node = r
-        while node >= 0:
-            mask[0, 0, r - start, base + node] = True
-            node = parents[node]
-    for i in range(pad):  # padding rows see the prefix and themselves; nobody sees them
-        mask[0, 0, rows + i, base + end + i] = True
+    mask = torch.zeros((1, 1, end - start + pad, base + end + pad), dtype=torch.bool,
+                       device=device)
+    # the slots the lean forward attends to; padding rows see the prefix and themselves
+    for row, seen in enumerate(tree_keys(parents, base, start, end, pad)):
+        mask[0, 0, row, seen] = True
     positions = tree_positions(parents, base, start, end, pad)
     return {"position_ids": torch.tensor([positions], device=device), "attention_mask": mask}
 

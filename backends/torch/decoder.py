@@ -104,7 +104,6 @@ class LeanDecoder:
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None)
                             or config.hidden_size // config.num_attention_heads)
-        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self._layers = [_Layer(layer.input_layernorm, layer.self_attn.qkv_fused.layer,
                                layer.self_attn.o_proj, layer.post_attention_layernorm,
                                layer.mlp.gate_up_fused.layer, layer.mlp.down_proj,
@@ -113,9 +112,9 @@ class LeanDecoder:
         self._scaling = float(hf.model.layers[0].self_attn.scaling)
         self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
 
-    def new_cache(self) -> StaticKV:
-        return StaticKV(len(self._layers), self.kv_heads, self.head_dim, self._hf.dtype,
-                        self.context_length)
+    def new_cache(self, limit: int) -> StaticKV:
+        """An empty cache that grows up to `limit` slots (the model's context length)."""
+        return StaticKV(len(self._layers), self.kv_heads, self.head_dim, self._hf.dtype, limit)
 
     @torch.inference_mode()
     def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],

@@ -48,6 +48,16 @@ def cpu_has_vnni() -> bool:
     return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+def cpu_has_w4a8() -> bool:
+    """AVX512-VNNI with AVX512-BW/VL: what torch's w4a8 kernel (backends/torch/kernels/w4a8.c)
+    is built for; the planner and `--dtype auto` prefer w4a8 to int4 there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
+
+
 def detect_backend() -> str:
     """MLX on Apple silicon, torch elsewhere (CUDA when present, else CPU)."""
     apple = platform.system() == "Darwin" and platform.machine() == "arm64"

@@ -12,9 +12,13 @@ torch = pytest.importorskip("torch")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from backends.torch import w4a8  # noqa: E402
 from backends.torch.backend import TorchModel  # noqa: E402
 
 VOCAB = 48
+# w4a8 runs where its kernel builds (AVX512-VNNI and a C compiler) and passes its row check
+W4A8 = pytest.param("w4a8", marks=pytest.mark.skipif(
+    not w4a8.is_exact(), reason=f"w4a8 cannot run here: {w4a8.unavailable_reason()}"))
 
 
 def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:

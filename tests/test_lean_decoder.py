@@ -11,13 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.decoder import lean_reason
 from backends.torch.quant import w8a8_is_exact
-from tests.conftest import VOCAB, tiny_llama, tiny_tokenizer
+from tests.conftest import W4A8, VOCAB, tiny_llama, tiny_tokenizer
 
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_native_bf16(), reason="bf16 runs where the CPU computes it natively"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates: specdeck refuses w8a8"))
-DTYPES = ["float32", BF16, "int8", W8A8, "int4"]
+DTYPES = ["float32", BF16, "int8", W8A8, "int4", W4A8]
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
              eos_token_id=1, bos_token_id=0)

@@ -19,7 +19,7 @@ from backends.torch.attention import NAME, rowwise_sdpa
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.fuse import FusedProjection, ProjectionSlice, fuse_projections
 from backends.torch.quant import Int4Linear, W8A8Linear, quantize_linear, w8a8_is_exact
-from tests.conftest import save_hf_folder, tiny_llama
+from tests.conftest import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 
@@ -78,7 +78,7 @@ def _cpu_has_vnni() -> bool:
 
 
 @pytest.mark.parametrize("dtype, rows", [("int8", 1), pytest.param("w8a8", 1, marks=EXACT_W8A8),
-                                         ("int4", 1),
+                                         ("int4", 1), pytest.param("w4a8", 1, marks=W4A8.marks),
                                          pytest.param("bfloat16", 2,
                                                                    marks=NATIVE_BF16)])
 def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder, dtype, rows):
@@ -95,7 +95,7 @@ def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder,
         session.rewind(len(PROMPT))
 
 
-@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4"])
+@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4", W4A8])
 def test_a_quantized_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder,
                                                                                dtype):
     target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
@@ -142,7 +142,7 @@ def test_w8a8_is_refused_with_the_fix_where_the_int8_matmul_saturates(tiny_folde
         TorchBackend().load(str(tiny_folder), device="cpu", dtype="w8a8")
 
 
-@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4"])
+@pytest.mark.parametrize("dtype", ["int8", W8A8, "int4", W4A8])
 def test_a_quantized_drafter_restricted_to_part_of_the_vocabulary_keeps_the_output(
         target, tiny_folder, dtype):
     draft = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
@@ -176,7 +176,7 @@ def test_an_int4_layer_runs_a_prompt_on_its_8_bit_copy_and_verify_blocks_on_4_bi
         assert not torch.equal(layer(block), layer.prefill(block))
 
 
-@pytest.mark.parametrize("dtype", [W8A8, "int4"])
+@pytest.mark.parametrize("dtype", [W8A8, "int4", W4A8])
 def test_a_prompt_longer_than_a_verify_decodes_the_same_with_and_without_speculation(
         tiny_folder, dtype):
     target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
@@ -193,7 +193,7 @@ def test_int4_is_refused_off_the_cpu_with_the_fix(tiny_folder):
         torch_backend.resolve_dtype("int4", "cuda")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8", W8A8, "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", W8A8, "int4", W4A8])
 def test_fused_projections_answer_as_the_separate_projections_did(dtype):
     torch.manual_seed(0)
     attention = torch.nn.Module()

@@ -13,14 +13,14 @@ from app.drafters.draft_model import DraftModelDrafter
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.exactness import exact_row_block
 from backends.torch.quant import w8a8_is_exact
-from tests.conftest import save_hf_folder, tiny_llama
+from tests.conftest import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_native_bf16(), reason="bf16 row invariance is claimed where bf16 is native"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates: specdeck refuses w8a8"))
-DTYPES = ["float32", BF16, "int8", W8A8, "int4"]
+DTYPES = ["float32", BF16, "int8", W8A8, "int4", W4A8]
 
 
 @pytest.fixture(scope="module")

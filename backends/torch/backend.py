@@ -23,6 +23,7 @@ from backends import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
+from backends.torch import w4a8
 from backends.torch.decoder import (
     LeanDecoder,
     chain_keys,
@@ -44,10 +45,14 @@ from backends.torch.quant import (
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
 # too (per token), on oneDNN's kernels (CPU only); int4: 4-bit weights in groups of 32 with
-# bf16 activations (CPU only), the output layer in 8 bits. Their other tensors are bf16.
-QUANTIZED = ("int8", "w8a8", "int4")
-CPU_ONLY = ("w8a8", "int4")
+# bf16 activations (CPU only); w4a8: the same 4-bit weights times int8 activations per group
+# of 32 (llama.cpp's Q4_K x Q8_K arithmetic, backends/torch/w4a8.py). The 4-bit modes keep
+# the output layer in 8 bits. Their other tensors are bf16.
+QUANTIZED = ("int8", "w8a8", "int4", "w4a8")
+CPU_ONLY = ("w8a8", "int4", "w4a8")
+FOUR_BIT = ("int4", "w4a8")
 _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat16,
+           "w4a8": torch.bfloat16,
            "float32": torch.float32,
            "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -86,13 +91,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16, "
-                            "int8, w8a8 or int4")
+                            "int8, w8a8, int4 or w4a8")
     if dtype in CPU_ONLY and device != "cpu":
         raise SpecdeckError(f"--dtype {dtype} runs on the CPU only: use --device cpu, or "
                             "bfloat16 on a GPU")
     if dtype == "int4" and not int4_is_available():
         raise SpecdeckError(f"this PyTorch ({torch.__version__}) has no int4 CPU matmul: use "
                             "--dtype w8a8, or PyTorch 2.6 or newer")
+    if dtype == "w4a8" and not w4a8.is_available():
+        why = w4a8.unavailable_reason() or "its kernel did not build"
+        raise SpecdeckError(f"--dtype w4a8 cannot run here: {why}; use --dtype int4")
     if dtype == "w8a8" and not w8a8_is_exact():
         raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
                             "lossless: use --dtype int8 (weight-only) instead")
@@ -108,6 +116,10 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
         base = "bfloat16" if cpu_has_native_bf16() else "float32"
         return base, f"{base}: a 16-bit or wider source stays unquantized"
     name, bits = source
+    if bits and bits <= INT4_BITS and w4a8.is_exact():
+        return "w4a8", (f"w4a8: the {name} source has {bits} bits per weight; 4-bit weights "
+                        "times 8-bit activations (as llama.cpp runs it) decode fastest and "
+                        "passed the row check on this CPU")
     if AUTO_INT4 and bits and bits <= INT4_BITS and int4_is_available() and int4_is_exact():
         return "int4", (f"int4: the {name} source has {bits} bits per weight; 4-bit weights "
                         "(groups of 32) decode fastest and passed the row check on this CPU")
@@ -368,7 +380,7 @@ class TorchModel:
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
         packed = sum(m.packed_bytes() for m in self.hf.modules()
-                     if isinstance(m, (W8A8Linear, Int4Linear)))
+                     if isinstance(m, (W8A8Linear, Int4Linear, w4a8.W4A8Linear)))
         return packed + sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
@@ -451,7 +463,7 @@ class TorchBackend:
             # the head is trained unquantized, and 4-bit head weights took first-draft
             # acceptance from 0.109 to 0.087 for one SmolLM2-135M head (spec-bench), though
             # not for a longer-trained one (0.112 either way)
-            quantize_linears(head, "w8a8" if target.dtype == "int4" else target.dtype)
+            quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
         return EagleDrafter(target, head, spec, tree=tree)
 
 

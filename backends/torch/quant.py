@@ -219,7 +219,13 @@ def quantize_linears(hf: Any, kind: str) -> None:
 
 
 def quantize_linear(linear: torch.nn.Linear, kind: str, is_head: bool) -> torch.nn.Module:
-    """One linear layer in kind's quantization (the output layer keeps 8 bits under int4)."""
+    """One linear layer in kind's quantization (the output layer keeps 8 bits under int4 and
+    w4a8)."""
+    if kind == "w4a8" and not is_head:
+        from backends.torch.w4a8 import W4A8Linear
+
+        if W4A8Linear.can_take(linear):
+            return W4A8Linear.quantize(linear)
     if kind == "int4" and not is_head and Int4Linear.can_take(linear):
         return Int4Linear.quantize(linear)
     if kind == "int8" or not w8a8_is_exact():

@@ -1,0 +1,131 @@
+/* w4a8: 4-bit weights times 8-bit activations on AVX-512 VNNI, each row alone.
+ *
+ * Knows: the packed layout below, the per-group activation quantization. Must not know:
+ * torch, models, sessions. Called through ctypes from backends/torch/w4a8.py.
+ *
+ * Weights come in tiles of 16 output rows. For each tile and each group of 32 inputs, one
+ * block of 320 bytes: 256 bytes of codes, then 16 bf16 scales, then 16 bf16 zeros, with
+ * w = (code - 8) * scale + zero. In the codes, 4 loads of 64 bytes; in load p, the dword of
+ * lane o holds, in its low nibbles, inputs 4p..4p+3 of output row o and, in its high nibbles,
+ * inputs 16+4p..16+4p+3. So one vpdpbusd multiplies 16 output rows by 4 broadcast inputs.
+ *
+ * Activations: each row, each group of 32 inputs, quantized to int8 with its own scale
+ * (max |x| / 127). The integer products are exact; every row runs the same instructions in
+ * the same order whatever the number of rows, so a row gets the same bits alone or in a
+ * verify block of many rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define TILE 16
+#define BLOCK_BYTES 320
+#define MAX_ROWS 16
+
+/* Row r of x [rows, k] to int8 codes, per-group scale a and scaled code sum b = a * sum(q). */
+static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b, int32_t *s) {
+    for (int g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        float amax = _mm512_reduce_max_ps(m);
+        float d = amax / 127.0f;
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        a[g] = d;
+        b[g] = d * (float)sum;
+        s[g] = sum;
+    }
+}
+
+static inline __m512 bf16_to_ps(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* out[r, t*16 .. t*16+15] for one tile t over all rows. */
+static void tile_rows(const uint8_t *w, int groups, int rows, const int8_t *q, const float *a,
+                      const float *b, const int32_t *s, int k, int n, int t, float *out) {
+    __m512 acc[MAX_ROWS], accz[MAX_ROWS];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm512_setzero_ps();
+        accz[r] = _mm512_setzero_ps();
+    }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const uint8_t *block = w + (size_t)t * groups * BLOCK_BYTES;
+    for (int g = 0; g < groups; g++, block += BLOCK_BYTES) {
+        __m512i c[8];
+        for (int p = 0; p < 4; p++) {
+            __m512i v = _mm512_loadu_si512((const void *)(block + 64 * p));
+            c[p] = _mm512_and_si512(v, nib);
+            c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+        __m512 scale = bf16_to_ps((const uint16_t *)(block + 256));
+        __m512 zero = bf16_to_ps((const uint16_t *)(block + 288));
+        for (int r = 0; r < rows; r++) {
+            const int32_t *qa = (const int32_t *)(q + (size_t)r * k + g * GROUP);
+            __m512i isum = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++)
+                isum = _mm512_dpbusd_epi32(isum, c[j], _mm512_set1_epi32(qa[j]));
+            size_t rg = (size_t)r * groups + g;
+            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * s[rg]));
+            __m512 sa = _mm512_mul_ps(scale, _mm512_set1_ps(a[rg]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sa, acc[r]);
+            accz[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(b[rg]), accz[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(out + (size_t)r * n + t * TILE, _mm512_add_ps(acc[r], accz[r]));
+}
+
+/* out [rows, n] = x [rows, k] times the packed weight of n outputs; rows <= MAX_ROWS.
+ * scratch holds rows*k int8 codes and 3*rows*k/GROUP floats. */
+int w4a8_matmul(const float *x, int rows, int k, const uint8_t *w, int n, float *out,
+                void *scratch) {
+    if (rows < 1 || rows > MAX_ROWS || k % GROUP || n % TILE)
+        return -1;
+    int groups = k / GROUP;
+    int8_t *q = (int8_t *)scratch;
+    float *a = (float *)(q + (size_t)rows * k);
+    float *b = a + (size_t)rows * groups;
+    int32_t *s = (int32_t *)(b + (size_t)rows * groups);
+    for (int r = 0; r < rows; r++)
+        quantize_row(x + (size_t)r * k, k, q + (size_t)r * k, a + (size_t)r * groups,
+                     b + (size_t)r * groups, s + (size_t)r * groups);
+    int tiles = n / TILE;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++)
+        tile_rows(w, groups, rows, q, a, b, s, k, n, t, out);
+    return 0;
+}
+
+/* Pack codes (uint8 0..15, [n, k]) and bf16 scales/zeros ([k/GROUP, n] each) into w. */
+int w4a8_pack(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int n, int k,
+              uint8_t *w) {
+    if (k % GROUP || n % TILE)
+        return -1;
+    int groups = k / GROUP;
+    for (int t = 0; t < n / TILE; t++)
+        for (int g = 0; g < groups; g++) {
+            uint8_t *block = w + ((size_t)t * groups + g) * BLOCK_BYTES;
+            for (int p = 0; p < 4; p++)
+                for (int o = 0; o < TILE; o++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t *row = codes + (size_t)(t * TILE + o) * k + g * GROUP;
+                        block[64 * p + 4 * o + i] =
+                            (uint8_t)(row[4 * p + i] | (row[16 + 4 * p + i] << 4));
+                    }
+            uint16_t *sc = (uint16_t *)(block + 256), *zr = (uint16_t *)(block + 288);
+            for (int o = 0; o < TILE; o++) {
+                sc[o] = scales[(size_t)g * n + t * TILE + o];
+                zr[o] = zeros[(size_t)g * n + t * TILE + o];
+            }
+        }
+    return 0;
+}

@@ -1,0 +1,176 @@
+"""W4A8Linear: 4-bit weights times 8-bit activations, llama.cpp's arithmetic, row-invariant.
+
+Knows: the C kernel in kernels/w4a8.c (built once per machine with the system C compiler,
+loaded with ctypes), int4 codes and their bf16 scale/zero table (quant.quantize_weight_int4).
+Must not know: models, sessions, drafting.
+
+Why: torch's int4 CPU kernel dequantizes weights to floats and is compute-bound on 2 cores
+(62 of the 1.5B Qwen's 88 ms step). Quantizing each group of 32 activations to int8 turns the
+dot product into exact integer multiply-adds (vpdpbusd, 64 a cycle per lane group), so the
+step is bound by the bytes of weights read, as llama.cpp's Q4_K x Q8_K is. Each row is
+quantized alone and runs the same instructions whatever the row count, so a verify block
+gives every row its one-row bits (checked at load like every other kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from backends import cpu_has_w4a8
+from backends.torch.quant import Int8Linear, W8A8Linear, quantize_weight_int4, w8a8_is_exact
+
+_SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
+_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512vnni", "-mfma")
+GROUP = 32
+TILE = 16
+MAX_ROWS = 16  # the kernel's rows per call; larger forwards (prompts) run on the 8-bit copy
+
+
+def _cache_dir() -> Path:
+    # a build artifact of this machine, not user data: shared by every SPECDECK_HOME
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(root) / "specdeck" / "kernels"
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the kernel, or None."""
+    if not cpu_has_w4a8():
+        return "this CPU lacks AVX512-VNNI (w4a8's kernel needs it)"
+    if _compiler() is None:
+        return "no C compiler (cc or gcc) on PATH to build the w4a8 kernel"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The kernel, built on first use into the cache, named by a hash of source and flags."""
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"w4a8-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target, then rename: a half-written library never looks built
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+                           check=True, capture_output=True, text=True)
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    library.w4a8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    library.w4a8_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return library
+
+
+@functools.cache
+def is_available() -> bool:
+    if unavailable_reason() is not None:
+        return False
+    try:
+        _library()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
+@functools.cache
+def is_exact(max_rows: int = MAX_ROWS) -> bool:
+    """Whether the kernel builds here and gives each of up to max_rows rows the bits it gets
+    alone (random layers of the 1.5B Qwen's widths; the model's own are checked at load)."""
+    if not is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((64, 1536), (32, 8960)):
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.normal_(0, 0.02, generator=generator)
+        layer = W4A8Linear.quantize(linear, prefill=False)
+        x = torch.randn((max_rows, in_features), generator=generator).to(torch.bfloat16)
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(max_rows)])
+            if not all(torch.equal(layer(x[:n]), alone[:n]) for n in range(2, max_rows + 1)):
+                return False
+    return True
+
+
+class W4A8Linear(torch.nn.Module):
+    """4-bit weights (groups of 32, bf16 scale and zero) times per-group int8 activations."""
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor,
+                 bias: torch.Tensor | None, prefill: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.prefill = prefill
+        self.out_features, self.in_features = codes.shape
+        self.packed = pack(codes, scales_zeros)  # plain attribute: never cast
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def can_take(cls, linear: torch.nn.Module) -> bool:
+        return (isinstance(linear, torch.nn.Linear) and linear.in_features % GROUP == 0
+                and linear.out_features % TILE == 0)
+
+    @classmethod
+    def quantize(cls, linear: torch.nn.Linear, prefill: bool = True) -> W4A8Linear:
+        codes, scales_zeros = quantize_weight_int4(linear.weight, GROUP)
+        copy = None
+        if prefill:
+            copy = (W8A8Linear.quantize(linear) if w8a8_is_exact()
+                    else Int8Linear.quantize(linear))
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        return cls(codes, scales_zeros, bias, copy)
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.prefill is not None and rows > MAX_ROWS:
+            return self.prefill(x)
+        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        for start in range(0, rows, MAX_ROWS):
+            _matmul(flat[start:start + MAX_ROWS], self.packed, out[start:start + MAX_ROWS])
+        result = out.to(torch.bfloat16)
+        if self.bias is not None:
+            result = result + self.bias
+        return result.reshape(*x.shape[:-1], self.out_features)
+
+
+def pack(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The kernel's tiled layout of int4 codes [out, in] and their [in/32, out, 2] table."""
+    out_features, in_features = codes.shape
+    codes_u8 = codes.to(torch.uint8).contiguous()
+    scales = scales_zeros[..., 0].contiguous().view(torch.int16)
+    zeros = scales_zeros[..., 1].contiguous().view(torch.int16)
+    packed = torch.empty(out_features * in_features // 2 + 2 * scales_zeros.numel(),
+                         dtype=torch.uint8)
+    status = _library().w4a8_pack(codes_u8.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                  out_features, in_features, packed.data_ptr())
+    if status != 0:
+        raise ValueError(f"w4a8 cannot pack a {out_features}x{in_features} weight")
+    return packed
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+    rows, in_features = x.shape
+    groups = in_features // GROUP
+    scratch = torch.empty(rows * in_features + 12 * rows * groups, dtype=torch.uint8)
+    status = _library().w4a8_matmul(x.data_ptr(), rows, in_features, packed.data_ptr(),
+                                    out.shape[1], out.data_ptr(), scratch.data_ptr())
+    if status != 0:
+        raise ValueError(f"w4a8 cannot multiply {rows} rows of {in_features}")

@@ -11,6 +11,7 @@ from gguf import GGUFWriter
 
 from backends.gguf_header import file_type
 from backends.torch import backend as torch_backend
+from backends.torch import w4a8
 from backends.torch.backend import TorchBackend, auto_cpu_dtype
 from tests.conftest import save_hf_folder, tiny_llama
 
@@ -40,26 +41,37 @@ def test_a_file_that_is_not_a_gguf_has_no_file_type(tmp_path):
     assert file_type(tmp_path / "x.gguf") is None and file_type(tmp_path / "y.gguf") is None
 
 
+def test_auto_runs_a_4_bit_source_in_w4a8_where_its_kernel_runs_and_says_why(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(w4a8, "is_exact", lambda: True)
+    dtype, why = auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))
+    assert dtype == "w4a8" and "Q4_K_M" in why and "8-bit activations" in why
+
+
 def test_auto_runs_a_4_bit_source_in_int4_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(w4a8, "is_exact", lambda: False)
     monkeypatch.setattr(torch_backend, "AUTO_INT4", True)
     monkeypatch.setattr(torch_backend, "int4_is_exact", lambda: True)
     dtype, why = auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))
     assert dtype == "int4" and "Q4_K_M" in why
 
 
-def test_auto_runs_an_8_bit_source_in_w8a8_never_in_int4(tmp_path, monkeypatch):
+def test_auto_runs_an_8_bit_source_in_w8a8_never_in_4_bits(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_backend, "w8a8_is_exact", lambda: True)
+    monkeypatch.setattr(w4a8, "is_exact", lambda: True)
     assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 7))[0] == "w8a8"
 
 
-def test_auto_runs_a_4_bit_source_in_int4_where_its_row_check_passes_on_this_cpu(
+def test_auto_runs_a_4_bit_source_in_4_bits_where_a_row_check_passes_on_this_cpu(
         tmp_path, monkeypatch):
     monkeypatch.setattr(torch_backend, "w8a8_is_exact", lambda: True)
     exact = torch_backend.int4_is_available() and torch_backend.int4_is_exact()
-    assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))[0] == ("int4" if exact else "w8a8")
+    expected = "w4a8" if w4a8.is_exact() else "int4" if exact else "w8a8"
+    assert auto_cpu_dtype(_gguf(tmp_path / "m.gguf", 15))[0] == expected
 
 
 def test_auto_falls_back_to_8_bits_where_int4_is_not_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(w4a8, "is_exact", lambda: False)
     monkeypatch.setattr(torch_backend, "AUTO_INT4", True)
     monkeypatch.setattr(torch_backend, "int4_is_exact", lambda: False)
     monkeypatch.setattr(torch_backend, "w8a8_is_exact", lambda: True)

@@ -77,6 +77,7 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
     monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)  # nor VNNI: float32
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)  # nor torch's int4 kernel
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
                            16 * GB, 4096)
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
@@ -90,12 +91,15 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
 
 def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue):
     torch_backend = pytest.importorskip("backends.torch.backend")
+    from backends.torch import w4a8
     from backends.torch.quant import int4_is_available, int4_is_exact, w8a8_is_exact
 
     unquantized = str(torch_backend.resolve_dtype("auto", "cpu")).removeprefix("torch.")
-    # a Q4_K GGUF runs int4 where torch has the kernel and its row check passes, else w8a8
+    # a Q4_K GGUF runs w4a8 where its kernel builds and passes its row check, else int4 where
+    # torch has the kernel and its row check passes, else w8a8
     # where the int8 check passes (auto_cpu_dtype), else unquantized
-    runs = ("int4" if int4_is_available() and int4_is_exact() else
+    runs = ("w4a8" if w4a8.is_exact() else
+            "int4" if int4_is_available() and int4_is_exact() else
             "w8a8" if w8a8_is_exact() else unquantized)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
@@ -108,6 +112,7 @@ def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeyp
     pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
     monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)
     fp32 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: True)
@@ -120,6 +125,7 @@ def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(cata
                                                                            monkeypatch):
     monkeypatch.setattr("backends.cpu_has_vnni", lambda: True)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     assert fit.dtype == "w8a8"
@@ -130,6 +136,7 @@ def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(cata
 def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_8_bit_prompt_copy(catalogue,
                                                                                 monkeypatch):
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: True)
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
@@ -256,6 +263,7 @@ def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path,
     monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # float32 weights
     monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
     folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
     info = planner.describe(str(folder), catalogue)
     assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"
@@ -314,3 +322,14 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
     assert loaded.drafter_name == "chain"  # the pair's draft model, behind prompt lookup
     assert loaded.notes[0].startswith("drafter: draft qwen2.5-coder-0.5b-instruct-q4km")
     assert load_engine(engine_args(pair, "draft")).drafter_name == "draft"
+
+
+def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_never(
+        catalogue, monkeypatch):
+    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: True)
+    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+                           4096)
+    params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
+    assert fit.dtype == "w4a8"
+    assert fit.target_weights_bytes == int(params * 1.625)
+    assert planner.dtype_for("torch", "cpu", "gguf-q8_0") not in ("int4", "w4a8")

@@ -64,10 +64,11 @@ PREFERENCE = (
 )
 HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
 MODEL_FREE = frozenset({"lookahead", "ngram"})
-# bytes per weight; int4: 4-bit codes, a bf16 scale and zero per 32, and the 8-bit copy its
-# prompts run on (backends/torch/quant.py Int4Linear)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 1.625}
-QUANTIZED = ("w8a8", "int4")  # quantized weights, bf16 KV cache
+# bytes per weight; int4 and w4a8: 4-bit codes, a bf16 scale and zero per 32, and the 8-bit
+# copy their prompts run on (backends/torch/quant.py Int4Linear, backends/torch/w4a8.py)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 1.625,
+                "w4a8": 1.625}
+QUANTIZED = ("w8a8", "int4", "w4a8")  # quantized weights, bf16 KV cache
 W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
 INT4_MAX_BITS = 5.0  # and a source this coarse as int4, where torch has the kernel
 INT4_TORCH = (2, 6)  # the first torch with _weight_int4pack_mm_for_cpu
@@ -185,17 +186,21 @@ def resolve_device(backend: str, device: str = "auto") -> str:
 
 def dtype_for(backend: str, device: str, fmt: str | None = None,
               bits: float | None = None) -> str:
-    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU, torch int4 for a
-    source of 5 bits per weight or fewer (a Q4 GGUF) where torch has the int4 kernel, w8a8 with
-    VNNI for 8.5 bits or fewer, else bfloat16 on CUDA and on CPUs with native bf16, else
-    float32 (backends/torch/backend.py decides the same way, after its exactness checks)."""
-    from backends import cpu_has_native_bf16, cpu_has_vnni
+    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU, for a source of 5 bits
+    per weight or fewer (a Q4 GGUF), w4a8 with AVX512-VNNI, else int4 where torch has its int4
+    kernel; w8a8 with VNNI for 8.5 bits or fewer, else bfloat16 on CUDA and on CPUs with
+    native bf16, else float32 (backends/torch/backend.py decides the same way, after its
+    exactness checks)."""
+    from backends import cpu_has_native_bf16, cpu_has_vnni, cpu_has_w4a8
 
     if backend == "mlx":
         return "float16"
     if bits is None and fmt:
         bits = _quant_bits(fmt)
-    if device == "cpu" and bits is not None and bits <= INT4_MAX_BITS and _torch_has_int4():
+    four_bit = device == "cpu" and bits is not None and bits <= INT4_MAX_BITS
+    if four_bit and cpu_has_w4a8():
+        return "w4a8"
+    if four_bit and _torch_has_int4():
         return "int4"
     if device == "cpu" and bits is not None and bits <= W8A8_MAX_BITS and cpu_has_vnni():
         return "w8a8"

@@ -169,7 +169,7 @@ def pack(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
 def _matmul(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
     rows, in_features = x.shape
     groups = in_features // GROUP
-    scratch = torch.empty(rows * in_features + 12 * rows * groups, dtype=torch.uint8)
+    scratch = torch.empty(rows * in_features + 8 * rows * groups, dtype=torch.uint8)
     status = _library().w4a8_matmul(x.data_ptr(), rows, in_features, packed.data_ptr(),
                                     out.shape[1], out.data_ptr(), scratch.data_ptr())
     if status != 0:

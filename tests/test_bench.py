@@ -276,8 +276,21 @@ def test_bench_command_runs_end_to_end_and_ends_with_one_json_line(tiny_folder, 
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_second_dtype_runs_the_same_configurations_checked_against_its_own_plain(
+        tiny_folder, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", word_prompts(2))
+    code = main(["bench", "--target", str(tiny_folder), "--draft", str(tiny_folder),
+                 "--dtype", "float32", "--compare-dtype", "int8", "--drafters", "draft",
+                 "--k", "3", "--prompts", str(prompts), "--max-new-tokens", "8"])
+    assert code == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert set(results) == {"plain", "draft k=3", "int8:plain", "int8:draft k=3"}
+    assert all(r["identical"] for r in results.values())
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--k", "two"], "--k takes integers"),
+    (["--dtype", "int8", "--compare-dtype", "int8"], "the dtype already running"),
     (["--drafters", "ngram,eagle9"], "unknown ['eagle9']"),
     (["--drafters", "draft"], "needs a draft model"),
     (["--prompts", "nope"], "unknown prompt set"),

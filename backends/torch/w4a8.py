@@ -4,12 +4,15 @@ Knows: the C kernel in kernels/w4a8.c (built once per machine with the system C 
 loaded with ctypes), int4 codes and their bf16 scale/zero table (quant.quantize_weight_int4).
 Must not know: models, sessions, drafting.
 
-Why: torch's int4 CPU kernel dequantizes weights to floats and is compute-bound on 2 cores
-(62 of the 1.5B Qwen's 88 ms step). Quantizing each group of 32 activations to int8 turns the
-dot product into exact integer multiply-adds (vpdpbusd, 64 a cycle per lane group), so the
-step is bound by the bytes of weights read, as llama.cpp's Q4_K x Q8_K is. Each row is
-quantized alone and runs the same instructions whatever the row count, so a verify block
-gives every row its one-row bits (checked at load like every other kernel).
+Why: torch's int4 CPU kernel dequantizes each weight to a float before multiplying, so every
+extra row of a verify forward costs it nearly as much as the first (1.5B Qwen on 2 Zen 5
+cores: 4 rows 74 ms, 9 rows 203 ms against 45 ms for one; on a 2-core Xeon it was
+compute-bound even at one row). Quantizing each group of 32 activations to int8 turns the dot
+product into exact integer multiply-adds (vpdpbusd: 16 output rows times 4 inputs an
+instruction), as llama.cpp's Q4_K x Q8_K does: one row is bound by the bytes of weights read
+and each further row adds a few ms (4 rows 66 ms, 9 rows 93 ms). Each row is quantized alone
+and runs the same instructions whatever the row count, so a verify block gives every row its
+one-row bits (checked at load like every other kernel).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def _library() -> ctypes.CDLL:
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.w4a8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p]
     library.w4a8_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return library
@@ -141,14 +145,13 @@ class W4A8Linear(torch.nn.Module):
         rows = x.numel() // x.shape[-1]
         if self.prefill is not None and rows > MAX_ROWS:
             return self.prefill(x)
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        # bf16 in and out, the bias added in the kernel as torch's bf16 add would add it
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
         for start in range(0, rows, MAX_ROWS):
-            _matmul(flat[start:start + MAX_ROWS], self.packed, out[start:start + MAX_ROWS])
-        result = out.to(torch.bfloat16)
-        if self.bias is not None:
-            result = result + self.bias
-        return result.reshape(*x.shape[:-1], self.out_features)
+            _matmul(flat[start:start + MAX_ROWS], self.packed, self.bias,
+                    out[start:start + MAX_ROWS])
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def pack(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -166,11 +169,13 @@ def pack(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _matmul(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor) -> None:
     rows, in_features = x.shape
     groups = in_features // GROUP
     scratch = torch.empty(rows * in_features + 8 * rows * groups, dtype=torch.uint8)
     status = _library().w4a8_matmul(x.data_ptr(), rows, in_features, packed.data_ptr(),
-                                    out.shape[1], out.data_ptr(), scratch.data_ptr())
+                                    out.shape[1], 0 if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), scratch.data_ptr())
     if status != 0:
         raise ValueError(f"w4a8 cannot multiply {rows} rows of {in_features}")

@@ -24,11 +24,24 @@
 #define BLOCK_BYTES 320
 #define MAX_ROWS 16
 
+static inline __m512 bf16_to_ps(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Round to bf16 as torch does (to nearest, ties to even), kept as float. */
+static inline __m512 round_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* Row r of x [rows, k] to int8 codes, per-group scale a and scaled code sum b = a * sum(q). */
-static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b) {
+static void quantize_row(const uint16_t *x, int k, int8_t *q, float *a, float *b) {
     for (int g = 0; g < k / GROUP; g++) {
-        const float *xg = x + g * GROUP;
-        __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+        const uint16_t *xg = x + g * GROUP;
+        __m512 lo = bf16_to_ps(xg), hi = bf16_to_ps(xg + 16);
         __m512 m = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
         float amax = _mm512_reduce_max_ps(m);
         float d = amax / 127.0f;
@@ -41,11 +54,6 @@ static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b) {
         a[g] = d;
         b[g] = d * (float)sum;
     }
-}
-
-static inline __m512 bf16_to_ps(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* One row's share of one block: the 32-input dot products of 16 output rows, scaled. */
@@ -63,11 +71,21 @@ static inline void row_block(const __m512i *c, __m512 scale, __m512 zmin, const 
     *accz = _mm512_fmadd_ps(zmin, _mm512_set1_ps(b), *accz);
 }
 
+/* 16 outputs as bf16, then plus the bias, each sum rounded as torch's bf16 add rounds it. */
+static inline void store_bf16(uint16_t *out, __m512 v, const uint16_t *bias) {
+    v = round_bf16(v);
+    if (bias)
+        v = round_bf16(_mm512_add_ps(v, bf16_to_ps(bias)));
+    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(bits));
+}
+
 /* out[r, t*16 .. t*16+15] for one tile t and NR rows from row r0, accumulators in
  * registers. The tile's blocks are read from memory for the first rows and from cache after. */
 #define TILE_ROWS(NR)                                                                          \
     static void tile_rows_##NR(const uint8_t *w, int groups, const int8_t *q, const float *a,  \
-                               const float *b, int k, int n, int t, float *out) {              \
+                               const float *b, int k, int n, int t, const uint16_t *bias,      \
+                               uint16_t *out) {                                                 \
         __m512 acc[NR], accz[NR];                                                              \
         for (int r = 0; r < NR; r++) {                                                         \
             acc[r] = _mm512_setzero_ps();                                                      \
@@ -91,7 +109,8 @@ static inline void row_block(const __m512i *c, __m512 scale, __m512 zmin, const 
                           b[r * groups + g], &acc[r], &accz[r]);                               \
         }                                                                                      \
         for (int r = 0; r < NR; r++)                                                           \
-            _mm512_storeu_ps(out + (size_t)r * n + t * TILE, _mm512_add_ps(acc[r], accz[r]));  \
+            store_bf16(out + (size_t)r * n + t * TILE, _mm512_add_ps(acc[r], accz[r]),         \
+                       bias ? bias + t * TILE : NULL);                                          \
     }
 TILE_ROWS(1)
 TILE_ROWS(2)
@@ -100,24 +119,25 @@ TILE_ROWS(4)
 
 /* All rows of one tile, 4 at a time: a row's instructions never depend on its neighbours. */
 static void tile_rows(const uint8_t *w, int groups, int rows, const int8_t *q, const float *a,
-                      const float *b, int k, int n, int t, float *out) {
+                      const float *b, int k, int n, int t, const uint16_t *bias,
+                      uint16_t *out) {
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int8_t *qr = q + (size_t)r0 * k;
         const float *ar = a + (size_t)r0 * groups, *br = b + (size_t)r0 * groups;
-        float *o = out + (size_t)r0 * n;
+        uint16_t *o = out + (size_t)r0 * n;
         switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: tile_rows_1(w, groups, qr, ar, br, k, n, t, o); break;
-        case 2: tile_rows_2(w, groups, qr, ar, br, k, n, t, o); break;
-        case 3: tile_rows_3(w, groups, qr, ar, br, k, n, t, o); break;
-        default: tile_rows_4(w, groups, qr, ar, br, k, n, t, o); break;
+        case 1: tile_rows_1(w, groups, qr, ar, br, k, n, t, bias, o); break;
+        case 2: tile_rows_2(w, groups, qr, ar, br, k, n, t, bias, o); break;
+        case 3: tile_rows_3(w, groups, qr, ar, br, k, n, t, bias, o); break;
+        default: tile_rows_4(w, groups, qr, ar, br, k, n, t, bias, o); break;
         }
     }
 }
 
-/* out [rows, n] = x [rows, k] times the packed weight of n outputs; rows <= MAX_ROWS.
- * scratch holds rows*k int8 codes and 2*rows*k/GROUP floats. */
-int w4a8_matmul(const float *x, int rows, int k, const uint8_t *w, int n, float *out,
-                void *scratch) {
+/* out [rows, n] = x [rows, k] times the packed weight of n outputs, plus bias (or NULL), all
+ * bf16; rows <= MAX_ROWS. scratch holds rows*k int8 codes and 2*rows*k/GROUP floats. */
+int w4a8_matmul(const uint16_t *x, int rows, int k, const uint8_t *w, int n,
+                const uint16_t *bias, uint16_t *out, void *scratch) {
     if (rows < 1 || rows > MAX_ROWS || k % GROUP || n % TILE)
         return -1;
     int groups = k / GROUP;
@@ -130,7 +150,7 @@ int w4a8_matmul(const float *x, int rows, int k, const uint8_t *w, int n, float 
     int tiles = n / TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++)
-        tile_rows(w, groups, rows, q, a, b, k, n, t, out);
+        tile_rows(w, groups, rows, q, a, b, k, n, t, bias, out);
     return 0;
 }
 

@@ -91,3 +91,26 @@ def test_w4a8_is_refused_with_the_fix_where_its_kernel_cannot_run(monkeypatch):
         torch_backend.resolve_dtype("w4a8", "cpu")
     with pytest.raises(SpecdeckError, match="CPU only"):
         torch_backend.resolve_dtype("w4a8", "cuda")
+
+
+def test_a_w4a8_draft_model_drafts_from_a_4_bit_output_layer_and_the_output_stays_plain(
+        tmp_path):
+    from app.core.engine import SpecEngine
+    from app.core.types import SamplingParams
+    from app.drafters.draft_model import DraftModelDrafter
+    from backends.torch.backend import TorchBackend
+    from backends.torch.quant import W8A8Linear
+    from tests.conftest import save_hf_folder, tiny_llama
+
+    folder = save_hf_folder(tiny_llama(seed=1), tmp_path / "tiny")
+    target = TorchBackend().load(str(folder), device="cpu", dtype="w4a8")
+    draft = TorchBackend().load(str(folder), device="cpu", dtype="w4a8")
+    prompt, params = [5, 9, 12, 5, 9, 3, 7, 5, 9], SamplingParams(max_new_tokens=30)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    for vocab_limit in (0, 16):  # 16: rows of the 8-bit layer the 4-bit one was made from
+        drafter = DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+        assert isinstance(draft.hf.get_output_embeddings(), w4a8.W4A8Linear)
+        done = list(SpecEngine(target, drafter, k=3).generate(prompt, params))[-1]
+        assert done.token_ids == plain.token_ids and done.stats.accepted > 0
+    DraftModelDrafter(target, target)  # the target drafting for itself keeps its 8 bits
+    assert isinstance(target.hf.get_output_embeddings(), W8A8Linear)

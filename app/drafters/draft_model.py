@@ -47,6 +47,8 @@ class DraftModelDrafter:
         # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
         self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
         self._always = {*target.eos_token_ids, *draft.eos_token_ids}
+        if draft is not target and hasattr(draft, "lighten_head"):
+            draft.lighten_head()  # a model of its own: its logits only propose
         self._session = draft.start(exact=False)
         self._params = SamplingParams()
         self._rng = np.random.default_rng()

@@ -373,9 +373,29 @@ class TorchModel:
         """
         if self._full_head is None:
             self._full_head = self.hf.get_output_embeddings()
-        head = self._full_head if token_ids is None else SubsetHead(self._full_head, token_ids,
+        # a lightened head's rows are cut from the 8-bit layer it was made from
+        source = getattr(self._full_head, "eight_bit", self._full_head)
+        head = self._full_head if token_ids is None else SubsetHead(source, token_ids,
                                                                     self.vocab_size)
         self.hf.set_output_embeddings(head)
+
+    def lighten_head(self) -> None:
+        """For a model loaded to draft, never a target: its 8-bit output layer becomes 4-bit
+        (w4a8 models). Drafts are proposals the target checks, so their logits need no source
+        precision; the 0.5B Qwen's output layer (136M weights) cost a draft token 17.3 ms
+        with 8 bits and 15.0 ms with 4 (2-core EPYC, interleaved)."""
+        head = self._full_head or self.hf.get_output_embeddings()
+        if self.dtype != "w4a8" or not isinstance(head, W8A8Linear) or head.weight_int8 is None:
+            return
+        linear = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(head.weight_int8.float() * head.scales[:, None])
+        if not w4a8.W4A8Linear.can_take(linear):
+            return
+        light = w4a8.W4A8Linear.quantize(linear, prefill=False)
+        light.bias, light.float_out, light.eight_bit = head.bias, True, head
+        self._full_head = None
+        self.hf.set_output_embeddings(light)
 
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers

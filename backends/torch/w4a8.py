@@ -122,6 +122,8 @@ class W4A8Linear(torch.nn.Module):
         self.out_features, self.in_features = codes.shape
         self.packed = pack(codes, scales_zeros)  # plain attribute: never cast
         self.register_buffer("bias", bias)
+        self.float_out = False  # float32 logits (a drafter's output layer): argmax reads them
+        # 8x faster than bf16 ones
 
     @classmethod
     def can_take(cls, linear: torch.nn.Module) -> bool:
@@ -151,6 +153,7 @@ class W4A8Linear(torch.nn.Module):
         for start in range(0, rows, MAX_ROWS):
             _matmul(flat[start:start + MAX_ROWS], self.packed, self.bias,
                     out[start:start + MAX_ROWS])
+        out = out.float() if self.float_out else out
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -19,6 +19,7 @@ over k+1 tokens reproduces one-token decoding exactly:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -245,16 +246,21 @@ def int4_is_available() -> bool:
 
 @functools.cache
 def int4_is_exact(max_rows: int = 16) -> bool:
-    """Whether this CPU's int4 matmul gives each of up to max_rows rows the bits it gets alone
+    """Whether this CPU's int4 matmul gives each of up to max_rows rows the bits it gets alone."""
+    return int4_is_available() and rows_are_invariant(
+        lambda linear: Int4Linear.quantize(linear, prefill=False), max_rows)
+
+
+def rows_are_invariant(quantize: Callable[[torch.nn.Linear], torch.nn.Module],
+                       max_rows: int) -> bool:
+    """Whether layers made by quantize give each of up to max_rows rows the bits it gets alone
     (random layers of the 1.5B Qwen's widths; the model's own layers are checked at load)."""
-    if not int4_is_available():
-        return False
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features in ((64, 1536), (32, 8960)):
         linear = torch.nn.Linear(in_features, out_features, bias=False)
         with torch.no_grad():
             linear.weight.normal_(0, 0.02, generator=generator)
-        layer = Int4Linear.quantize(linear, prefill=False)
+        layer = quantize(linear)
         x = torch.randn((max_rows, in_features), generator=generator).to(torch.bfloat16)
         with torch.inference_mode():
             alone = torch.cat([layer(x[i:i + 1]) for i in range(max_rows)])

@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 
 from backends import cpu_has_w4a8
-from backends.torch.quant import Int8Linear, W8A8Linear, quantize_weight_int4, w8a8_is_exact
+from backends.torch.quant import (
+    Int8Linear,
+    W8A8Linear,
+    quantize_weight_int4,
+    rows_are_invariant,
+    w8a8_is_exact,
+)
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -95,21 +101,9 @@ def is_available() -> bool:
 @functools.cache
 def is_exact(max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernel builds here and gives each of up to max_rows rows the bits it gets
-    alone (random layers of the 1.5B Qwen's widths; the model's own are checked at load)."""
-    if not is_available():
-        return False
-    generator = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((64, 1536), (32, 8960)):
-        linear = torch.nn.Linear(in_features, out_features, bias=False)
-        with torch.no_grad():
-            linear.weight.normal_(0, 0.02, generator=generator)
-        layer = W4A8Linear.quantize(linear, prefill=False)
-        x = torch.randn((max_rows, in_features), generator=generator).to(torch.bfloat16)
-        with torch.inference_mode():
-            alone = torch.cat([layer(x[i:i + 1]) for i in range(max_rows)])
-            if not all(torch.equal(layer(x[:n]), alone[:n]) for n in range(2, max_rows + 1)):
-                return False
-    return True
+    alone."""
+    return is_available() and rows_are_invariant(
+        lambda linear: W4A8Linear.quantize(linear, prefill=False), max_rows)
 
 
 class W4A8Linear(torch.nn.Module):

@@ -125,3 +125,22 @@ def test_a_chain_reports_each_members_share_and_the_draft_model_its_own_acceptan
     assert members["draft"].drafted > 0 and members["draft"].acceptance_rate >= 0.99
     assert sum(d.drafted for d in members.values()) == done.stats.drafted
     assert sum(d.accepted for d in members.values()) == done.stats.accepted
+
+
+def test_a_drafter_reads_only_the_end_of_a_long_prompt_keeps_it_for_the_next_turn_and_the_output(
+        target, monkeypatch):
+    from app.drafters import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_CONTEXT", 8)
+    prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9, 11, 4, 6, 5, 9, 12, 2, 8, 5, 9, 3]
+    params = SamplingParams(max_new_tokens=6)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    drafter = DraftModelDrafter(target, target)
+    engine = SpecEngine(target, drafter, k=3)
+    done = list(engine.generate(prompt, params))[-1]
+    assert done.token_ids == plain.token_ids and done.stats.accepted > 0
+    assert drafter._session.length <= 8 + 6  # the window and the answer, not the prompt
+    follow_up = [*prompt, *done.token_ids, 7, 3]
+    start = drafter._start
+    list(engine.generate(follow_up, params))
+    assert drafter._start == start  # still under twice the window: the cache is reused

@@ -23,6 +23,9 @@
 #define TILE 16
 #define BLOCK_BYTES 320
 #define MAX_ROWS 16
+/* Blocks are prefetched this far ahead: with more than one row the multiply-adds kept the
+ * hardware prefetcher behind (8 rows over the 1.5B Qwen's layers, cold: 49 -> 28 ms). */
+#define PREFETCH_BYTES (16 * BLOCK_BYTES)
 
 static inline __m512 bf16_to_ps(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -94,6 +97,8 @@ static inline void store_bf16(uint16_t *out, __m512 v, const uint16_t *bias) {
         const __m512i nib = _mm512_set1_epi8(0x0F);                                            \
         const uint8_t *block = w + (size_t)t * groups * BLOCK_BYTES;                           \
         for (int g = 0; g < groups; g++, block += BLOCK_BYTES) {                               \
+            for (int l = 0; l < BLOCK_BYTES; l += 64)                                          \
+                _mm_prefetch((const char *)block + PREFETCH_BYTES + l, _MM_HINT_T0);           \
             __m512i c[8];                                                                      \
             for (int p = 0; p < 4; p++) {                                                      \
                 __m512i v = _mm512_loadu_si512((const void *)(block + 64 * p));                \

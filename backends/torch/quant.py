@@ -41,7 +41,7 @@ class Int8Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear) -> Int8Linear:
         weight_int8, scales = quantize_weight(linear.weight)
-        return cls(weight_int8, scales.to(torch.bfloat16), _bf16_bias(linear))
+        return cls(weight_int8, scales.to(torch.bfloat16), bf16_bias(linear))
 
     def rows(self, ids: torch.Tensor) -> Int8Linear:
         """The layer restricted to the output rows ids."""
@@ -82,7 +82,7 @@ class W8A8Linear(torch.nn.Module):
     def quantize(cls, linear: torch.nn.Linear, keep_int8: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16) -> W8A8Linear:
         weight_int8, scales = quantize_weight(linear.weight)
-        return cls(weight_int8, scales, _bf16_bias(linear), keep_int8, out_dtype)
+        return cls(weight_int8, scales, bf16_bias(linear), keep_int8, out_dtype)
 
     def rows(self, ids: torch.Tensor) -> W8A8Linear:
         """The layer restricted to the output rows ids."""
@@ -140,11 +140,8 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear, prefill: bool = True) -> Int4Linear:
         codes, scales_zeros = quantize_weight_int4(linear.weight, cls.GROUP)
-        copy = None
-        if prefill:
-            copy = (W8A8Linear.quantize(linear) if w8a8_is_exact()
-                    else Int8Linear.quantize(linear))
-        return cls(codes, scales_zeros, _bf16_bias(linear), copy)
+        copy = prefill_copy(linear) if prefill else None
+        return cls(codes, scales_zeros, bf16_bias(linear), copy)
 
     def packed_bytes(self) -> int:
         return self.out_features * self.in_features // 2 + self.scales_zeros.numel() * 2
@@ -181,7 +178,12 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
-def _bf16_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+def prefill_copy(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The 8-bit copy a 4-bit layer runs prompts on: w8a8 where exact, else weight-only int8."""
+    return W8A8Linear.quantize(linear) if w8a8_is_exact() else Int8Linear.quantize(linear)
+
+
+def bf16_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
 
 

@@ -30,11 +30,10 @@ import torch
 
 from backends import cpu_has_w4a8
 from backends.torch.quant import (
-    Int8Linear,
-    W8A8Linear,
+    bf16_bias,
+    prefill_copy,
     quantize_weight_int4,
     rows_are_invariant,
-    w8a8_is_exact,
 )
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
@@ -127,12 +126,8 @@ class W4A8Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear, prefill: bool = True) -> W4A8Linear:
         codes, scales_zeros = quantize_weight_int4(linear.weight, GROUP)
-        copy = None
-        if prefill:
-            copy = (W8A8Linear.quantize(linear) if w8a8_is_exact()
-                    else Int8Linear.quantize(linear))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        return cls(codes, scales_zeros, bias, copy)
+        copy = prefill_copy(linear) if prefill else None
+        return cls(codes, scales_zeros, bf16_bias(linear), copy)
 
     def packed_bytes(self) -> int:
         return self.packed.numel()

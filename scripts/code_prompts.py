@@ -4,9 +4,10 @@ Usage: python scripts/code_prompts.py OUT.jsonl [--limit 400] [--seed 0]
 
 A head for a code model learns best from code, and no bundled set may be trained on (they are
 the benchmarks). The standard library is on every machine and licensed for this: each public
-function with a docstring of two or more lines becomes a HumanEval-style prompt (its signature
-and docstring, the body to write). Functions named like a HumanEval task are left out, so the
-head never sees a benchmark's signature. Writes {"prompt": ...} lines, as `--prompts` reads.
+function, and each public method of a public class, with a docstring of two or more lines
+becomes a HumanEval-style prompt (its signature and docstring, the body to write). Functions
+named like a HumanEval task are left out, so the head never sees a benchmark's signature.
+Writes {"prompt": ...} lines, as `--prompts` reads.
 """
 
 from __future__ import annotations
@@ -66,6 +67,24 @@ def collect(exclude: set[str]) -> list[str]:
             text = prompt_for(name, function)
             if text:
                 prompts.append(text)
+        prompts += _method_prompts(module, module_name, exclude)
+    return prompts
+
+
+def _method_prompts(module: object, module_name: str, exclude: set[str]) -> list[str]:
+    """Public methods of the module's own public classes, written as plain functions (their
+    `self` kept): more code to learn from than the module-level functions alone."""
+    prompts = []
+    for class_name, cls in inspect.getmembers(module, inspect.isclass):
+        if class_name.startswith("_") or getattr(cls, "__module__", None) != module_name:
+            continue
+        for name, method in vars(cls).items():
+            if (name.startswith("_") or name in exclude or not inspect.isfunction(method)
+                    or inspect.getdoc(method) == inspect.getdoc(getattr(object, name, None))):
+                continue
+            text = prompt_for(name, method)
+            if text:
+                prompts.append(text)
     return prompts
 
 
@@ -75,13 +94,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    prompts = collect(humaneval_names())
+    prompts = list(dict.fromkeys(collect(humaneval_names())))  # re-exported names repeat
     random.Random(args.seed).shuffle(prompts)
     chosen = prompts[:args.limit]
     with open(args.out, "w") as f:
         for text in chosen:
             f.write(json.dumps({"prompt": text}) + "\n")
-    print(f"{len(chosen)} of {len(prompts)} stdlib functions written to {args.out}")
+    print(f"{len(chosen)} of {len(prompts)} stdlib functions and methods written to {args.out}")
 
 
 if __name__ == "__main__":

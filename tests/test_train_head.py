@@ -396,3 +396,32 @@ def test_a_benchmark_leaves_out_the_prompts_a_head_was_trained_on_before_its_lim
     assert [p.text for p in kept] == [first[1].text]
     assert training_prompts.trained_on(None) == frozenset()
     assert training_prompts.trained_on(tmp_path / "published-head") == frozenset()
+
+
+def test_the_target_answers_in_the_dtype_it_decodes_with_so_the_head_reads_those_states(
+        tmp_path):
+    """The states a head is trained on come from the target as sessions run it (fused and
+    quantized), not from an unquantized copy: w8a8 states match a w8a8 forward of the whole
+    answer to the bit and differ from the fp32 ones."""
+    from app.train import TrainRequest
+    from backends.torch.backend import TorchBackend
+    from backends.torch.quant import w8a8_is_exact
+    from backends.torch.train_head import _answers
+
+    if not w8a8_is_exact():
+        pytest.skip("this CPU's int8 matmul is not exact")
+    target = save_target(tmp_path / "target")
+    request = TrainRequest(target_path=str(target), prompts=("w5 w9 w12 w3",), work=str(tmp_path),
+                           out=str(tmp_path / "head"), max_new_tokens=10, gen_batch=1,
+                           device="cpu", dtype="w8a8")
+    [example] = _answers(request, "cpu", tmp_path, lambda p: None)
+    assert data.read_manifest(tmp_path)["dtype"] == "w8a8"
+    fed = len(example.tokens) - 1
+    states = {}
+    for dtype in ("w8a8", "float32"):
+        hf = TorchBackend().load(str(target), device="cpu", dtype=dtype).hf
+        with torch.no_grad():
+            hs = hf(example.tokens[None, :fed], output_hidden_states=True).hidden_states
+        states[dtype] = torch.cat([hs[i][0] for i in data.capture_layers(LAYERS)], dim=-1)
+    assert torch.equal(example.aux[:fed], states["w8a8"].to(example.aux.dtype))
+    assert not torch.allclose(example.aux[:fed].float(), states["float32"], atol=1e-4)

@@ -23,7 +23,13 @@ from app.loading import encode_prompt
 from app.train.progress import ProgressFn, TrainProgress
 from app.train.vocab import coverage, draft_vocabulary
 from backends.gguf import hf_folder
-from backends.torch.backend import cpu_has_native_bf16, resolve_device, resolve_dtype
+from backends.torch.backend import (
+    TorchBackend,
+    auto_cpu_dtype,
+    cpu_has_native_bf16,
+    resolve_device,
+    resolve_dtype,
+)
 from backends.torch.heads.eagle import Eagle3Head
 from backends.torch.train_head import data, loop
 from backends.torch.train_head.export import export
@@ -36,12 +42,11 @@ def train_head(request: Any, on_progress: ProgressFn) -> dict[str, Any]:
     """Run an app.train.TrainRequest; returns the summary that specdeck.json also keeps."""
     started = time.monotonic()
     device = resolve_device(request.device)
-    dtype = resolve_dtype(request.dtype, device)
     bf16 = device.startswith("cuda") or cpu_has_native_bf16()
-    hf, tokenizer = _load_target(request.target_path, dtype, device)
     work = Path(request.work)
-    examples = _answers(hf, tokenizer, request, work, on_progress)
+    examples = _answers(request, device, work, on_progress)
     data_seconds = time.monotonic() - started
+    hf = _load_target(request.target_path, resolve_dtype("auto", device), device)
     train_set = [e for i, e in enumerate(examples) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     held_out = [e for i, e in enumerate(examples) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     if not train_set:
@@ -79,46 +84,62 @@ def train_head(request: Any, on_progress: ProgressFn) -> dict[str, Any]:
     return result
 
 
-def _load_target(path: str, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
-    folder = str(hf_folder(Path(path)))
+def _load_target(path: str, dtype: torch.dtype, device: str) -> Any:
+    """The target's unquantized weights: the head starts from its output rows and norm."""
     try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        hf = AutoModelForCausalLM.from_pretrained(str(hf_folder(Path(path))), dtype=dtype)
     except (OSError, ValueError) as error:
         raise SpecdeckError(f"could not load a target from {path}: {error}") from error
+    _check_layers(hf, path)
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    return hf.to(device).eval()
+
+
+def _check_layers(hf: Any, path: str) -> None:
     if not hasattr(hf, "model") or not hasattr(hf.model, "layers"):
         raise SpecdeckError(f"{path} is not a decoder-only model with model.layers: an "
                             "EAGLE-3 head reads the hidden states of such a model")
     if len(hf.model.layers) < 7:
         raise SpecdeckError(f"{path} has {len(hf.model.layers)} layers; EAGLE-3 reads layers "
                             "2, N//2 and N-3, three different ones from 7 layers up")
-    for p in hf.parameters():
-        p.requires_grad_(False)
-    return hf.to(device).eval(), tokenizer
 
 
-def _answers(hf: Any, tokenizer: Any, request: Any, work: Path,
+def _answer_dtype(request: Any, device: str) -> str:
+    """The dtype the target answers in: the one it decodes with (`--dtype auto` picks as
+    generate does), so the head learns from the states it will read."""
+    if request.dtype == "auto" and device == "cpu":
+        return auto_cpu_dtype(Path(request.target_path))[0]
+    return request.dtype
+
+
+def _answers(request: Any, device: str, work: Path,
              on_progress: ProgressFn) -> list[data.Example]:
-    """The target's answers to every prompt, from the shards already made or made now."""
+    """The target's answers to every prompt, from the shards already made or made now (the
+    target is loaded only when a shard is missing)."""
+    dtype = _answer_dtype(request, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(Path(request.target_path))))
+    except (OSError, ValueError) as error:
+        raise SpecdeckError(f"could not load a tokenizer from {request.target_path}: "
+                            f"{error}") from error
     chat = bool(getattr(tokenizer, "chat_template", None))
     encoded = [encode_prompt(tokenizer, text, chat=chat)[-request.max_prompt_tokens:]
                for text in request.prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding
-    _check_manifest(work, request, len(encoded))
-    eos = sorted(collect_eos_ids(getattr(hf.generation_config, "eos_token_id", None),
-                                 hf.config.eos_token_id, tokenizer.eos_token_id))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    _check_manifest(work, request, len(encoded), dtype)
     size = request.gen_batch
     n_shards = (len(order) + size - 1) // size
     examples: list[data.Example] = []
-    started, made = time.monotonic(), 0
+    started, made, answerer = time.monotonic(), 0, None
     for s in range(n_shards):
         path = data.shard_path(work, s)
         if path.is_file():
             examples += data.load_shard(path)
         else:
+            answerer = answerer or _Answerer(request.target_path, device, dtype, tokenizer)
             batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
-            answers = data.generate_examples(hf, batch, request.max_new_tokens, eos, pad)
+            answers = answerer.answer(batch, request.max_new_tokens)
             data.save_shard(path, answers)
             examples += answers
             made += sum(len(a.tokens) - a.prompt_len for a in answers)
@@ -127,10 +148,26 @@ def _answers(hf: Any, tokenizer: Any, request: Any, work: Path,
     return examples
 
 
-def _check_manifest(work: Path, request: Any, n_prompts: int) -> None:
+class _Answerer:
+    """The target as it decodes (TorchBackend's load: fused, quantized, row-invariant), with
+    the ids generation stops at and pads with."""
+
+    def __init__(self, path: str, device: str, dtype: str, tokenizer: Any) -> None:
+        self.hf = TorchBackend().load(path, device=device, dtype=dtype).hf
+        _check_layers(self.hf, path)
+        self.eos = sorted(collect_eos_ids(
+            getattr(self.hf.generation_config, "eos_token_id", None),
+            self.hf.config.eos_token_id, tokenizer.eos_token_id))
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[data.Example]:
+        return data.generate_examples(self.hf, prompts, max_new_tokens, self.eos, self.pad)
+
+
+def _check_manifest(work: Path, request: Any, n_prompts: int, dtype: str) -> None:
     wanted = {"target": str(request.target_path), "prompts": n_prompts,
               "max_new_tokens": request.max_new_tokens, "gen_batch": request.gen_batch,
-              "max_prompt_tokens": request.max_prompt_tokens, "dtype": request.dtype}
+              "max_prompt_tokens": request.max_prompt_tokens, "dtype": dtype}
     found = data.read_manifest(work)
     if found is not None and found != wanted:
         changed = sorted(k for k in wanted if found.get(k) != wanted[k])

@@ -75,9 +75,13 @@ def make_batch(examples: Sequence[Example], idx: Sequence[int], t2d: torch.Tenso
         n = len(e.tokens)
         tokens[b, :n], aux[b, :n], final[b, :n] = e.tokens, e.aux, e.final
         counts[b, e.prompt_len:n] = t2d[e.tokens[e.prompt_len:]]
+    # the target's distribution at position p is read only where token p+1 counts
+    need = torch.zeros_like(counts)
+    need[:, :-1] = counts[:, 1:]
     with torch.no_grad():
         lm = frozen.lm_rows
-        target = final.to(device, lm.dtype) @ lm.T
+        target = torch.zeros(len(idx), rows, lm.shape[0], dtype=lm.dtype, device=device)
+        target[need.to(device)] = final[need].to(device, lm.dtype) @ lm.T
     return Batch(tokens.to(device), aux.to(device), target, counts.to(device))
 
 

@@ -28,7 +28,8 @@ STEP_WEIGHT = 0.8  # ref main.py: ploss_weight = [0.8 ** i ...]
 class Batch:
     """Right-padded rows: tokens [B, T], aux [B, T, 3Ht] (the three captured states), target
     logits over the draft vocabulary [B, T, Vd] (from the target's final state at each
-    position), and `counts` [B, T]: token t is a generated token inside the draft vocabulary."""
+    position p where token p+1 counts; other rows are never read), and `counts` [B, T]: token
+    t is a generated token inside the draft vocabulary."""
 
     tokens: torch.Tensor
     aux: torch.Tensor
@@ -54,15 +55,21 @@ def ttt_step(head: torch.nn.Module, embed: torch.nn.Embedding, batch: Batch,
     loss = batch.aux.new_zeros((), dtype=torch.float32)
     losses, correct, rows, chained = [], [], [], []
     alive = None  # rows whose chain is still accepted
-    for j, logits in enumerate(ttt_logits(head, embed, batch.tokens, batch.aux, depth)):
-        target = _shift(batch.target_logits, 1 + j).float()   # distribution of token t+2+j
+    for j, h in enumerate(ttt_states(head, embed, batch.tokens, batch.aux, depth)):
         mask = _shift(batch.counts, 2 + j)
-        step_loss, right = _objective(logits.float(), target, mask)
+        at = mask.nonzero(as_tuple=True)
+        # only counted rows reach the output layer: prompt rows are context, never scored, and
+        # the draft-vocabulary matmul and softmax were half of a step's work
+        logits = head.logits(h[at]).float()
+        target = batch.target_logits[at[0], at[1] + 1 + j].float()  # distribution of t+2+j
+        step_loss, hit = _objective(logits, target)
+        right = torch.zeros_like(mask)
+        right[at] = hit
         loss = loss + STEP_WEIGHT ** j * step_loss
         alive = right if alive is None else alive & right
         losses.append(float(step_loss.detach()))
-        correct.append(int(right.sum()))
-        rows.append(int(mask.sum()))
+        correct.append(int(hit.sum()))
+        rows.append(len(hit))
         chained.append(int(alive.sum()))
     return StepResult(loss, tuple(losses), tuple(correct), tuple(rows), tuple(chained))
 
@@ -71,6 +78,12 @@ def ttt_logits(head: torch.nn.Module, embed: torch.nn.Embedding, tokens: torch.T
                aux: torch.Tensor, depth: int) -> Iterator[torch.Tensor]:
     """The head's draft-vocabulary logits [B, T, Vd] at each TTT step j < depth: row t scores
     token t+2+j, having read the data's tokens up to t+1+j and its own fed-back states."""
+    return (head.logits(h) for h in ttt_states(head, embed, tokens, aux, depth))
+
+
+def ttt_states(head: torch.nn.Module, embed: torch.nn.Embedding, tokens: torch.Tensor,
+               aux: torch.Tensor, depth: int) -> Iterator[torch.Tensor]:
+    """The head's pre-norm output [B, T, H] at each TTT step (what ttt_logits scores)."""
     n_rows = tokens.shape[1]
     width = aux.shape[-1] // 3
     hidden = head.project(list(aux.to(head.fc.weight.dtype).split(width, dim=-1)))
@@ -79,7 +92,7 @@ def ttt_logits(head: torch.nn.Module, embed: torch.nn.Embedding, tokens: torch.T
     for j in range(depth):
         emb = embed(_shift(tokens, 1 + j)).to(hidden.dtype)   # token t+1+j at row t
         h, past = head(emb, hidden, positions + j, past, ttt_mask(n_rows, j, tokens.device))
-        yield head.logits(h)
+        yield h
         hidden = head.feedback(h)
 
 
@@ -99,12 +112,9 @@ def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
     return out
 
 
-def _objective(logits: torch.Tensor, target: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss over the counted rows, and which counted rows scored the target's top-1."""
-    weights = mask.float()
+def _objective(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean loss over these rows, and which rows scored the target's top-1."""
     log_p = F.log_softmax(logits, dim=-1)
-    p_target = F.softmax(target, dim=-1)
-    per_row = -(p_target * log_p).sum(-1)
-    loss = (per_row * weights).sum() / max(float(weights.sum()), 1.0)
-    return loss, (logits.argmax(-1) == target.argmax(-1)) & mask.bool()
+    per_row = -(F.softmax(target, dim=-1) * log_p).sum(-1)
+    loss = per_row.sum() / max(len(per_row), 1)
+    return loss, logits.argmax(-1) == target.argmax(-1)

@@ -79,8 +79,7 @@ def _method_prompts(module: object, module_name: str, exclude: set[str]) -> list
         if class_name.startswith("_") or getattr(cls, "__module__", None) != module_name:
             continue
         for name, method in vars(cls).items():
-            if (name.startswith("_") or name in exclude or not inspect.isfunction(method)
-                    or inspect.getdoc(method) == inspect.getdoc(getattr(object, name, None))):
+            if name.startswith("_") or name in exclude or not inspect.isfunction(method):
                 continue
             text = prompt_for(name, method)
             if text:

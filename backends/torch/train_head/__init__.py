@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.core.protocols import collect_eos_ids
 from app.core.types import SpecdeckError
 from app.loading import encode_prompt
 from app.train.progress import ProgressFn, TrainProgress
@@ -25,6 +24,7 @@ from app.train.vocab import coverage, draft_vocabulary
 from backends.gguf import hf_folder
 from backends.torch.backend import (
     TorchBackend,
+    TorchModel,
     auto_cpu_dtype,
     cpu_has_native_bf16,
     resolve_device,
@@ -131,15 +131,17 @@ def _answers(request: Any, device: str, work: Path,
     size = request.gen_batch
     n_shards = (len(order) + size - 1) // size
     examples: list[data.Example] = []
-    started, made, answerer = time.monotonic(), 0, None
+    started, made, model = time.monotonic(), 0, None
     for s in range(n_shards):
         path = data.shard_path(work, s)
         if path.is_file():
             examples += data.load_shard(path)
         else:
-            answerer = answerer or _Answerer(request.target_path, device, dtype, tokenizer)
+            model = model or _answering_model(request.target_path, device, dtype)
+            eos = sorted(model.eos_token_ids)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
             batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
-            answers = answerer.answer(batch, request.max_new_tokens)
+            answers = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad)
             data.save_shard(path, answers)
             examples += answers
             made += sum(len(a.tokens) - a.prompt_len for a in answers)
@@ -148,20 +150,11 @@ def _answers(request: Any, device: str, work: Path,
     return examples
 
 
-class _Answerer:
-    """The target as it decodes (TorchBackend's load: fused, quantized, row-invariant), with
-    the ids generation stops at and pads with."""
-
-    def __init__(self, path: str, device: str, dtype: str, tokenizer: Any) -> None:
-        self.hf = TorchBackend().load(path, device=device, dtype=dtype).hf
-        _check_layers(self.hf, path)
-        self.eos = sorted(collect_eos_ids(
-            getattr(self.hf.generation_config, "eos_token_id", None),
-            self.hf.config.eos_token_id, tokenizer.eos_token_id))
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-
-    def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[data.Example]:
-        return data.generate_examples(self.hf, prompts, max_new_tokens, self.eos, self.pad)
+def _answering_model(path: str, device: str, dtype: str) -> TorchModel:
+    """The target as sessions load it (fused, quantized, row-invariant)."""
+    model = TorchBackend().load(path, device=device, dtype=dtype)
+    _check_layers(model.hf, path)
+    return model
 
 
 def _check_manifest(work: Path, request: Any, n_prompts: int, dtype: str) -> None:

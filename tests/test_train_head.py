@@ -79,6 +79,25 @@ def test_captured_states_are_the_inputs_of_layers_2_half_and_n_minus_3_under_lef
         torch.testing.assert_close(e.final[:fed], hs[LAYERS][0][:fed], atol=1e-5, rtol=1e-4)
 
 
+def test_batched_answers_equal_each_prompts_own_greedy_answer_and_finished_ones_leave():
+    hf = tiny_target()
+    prompts = random_prompts(6, seed=4)
+    fed: list[int] = []
+    hook = hf.model.layers[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: fed.append((args[0] if args else kwargs["hidden_states"])
+                                            .shape[0]), with_kwargs=True)
+    examples = data.generate_examples(hf, prompts, 12, [1], 1)
+    hook.remove()
+    for e, prompt in zip(examples, prompts):
+        alone = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=1, pad_token_id=1)[0].tolist()
+        assert e.tokens.tolist() == alone[:len(e.tokens)]
+    lengths = sorted(len(e.tokens) - e.prompt_len for e in examples)
+    assert lengths[0] < lengths[-1]  # some answers end early
+    alive = [sum(n > s for n in lengths) for s in range(lengths[-1])]
+    assert fed == alive  # each forward holds only the answers still being written
+
+
 def test_draft_vocabulary_holds_the_most_frequent_tokens_sorted_with_offsets_and_mask():
     counts = np.zeros(20, dtype=np.int64)
     counts[[17, 3, 9]] = [50, 40, 40]

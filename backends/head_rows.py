@@ -22,11 +22,23 @@ import numpy as np
 from app.core.protocols import TargetOutput
 from app.core.types import SamplingParams, Verdict, common_prefix_length
 
+# a chain stops drafting once the head's own probability that all its drafts are right falls
+# below this (HeadRows.confident)
+CHAIN_MIN_CONFIDENCE = 0.2
+
 
 class HeadRows:
     """Where the head's rows stand; subclasses supply `_take` and `_join` for their arrays."""
 
     capture_layers: tuple[int, ...] = ()
+    min_confidence = 0.0
+
+    def confident(self, reach: float) -> bool:
+        """Whether a chain drafts one more token: `reach` is the head's own probability that
+        every draft so far is right (the product of its probabilities of the tokens it chose).
+        Stopping on the draft's own numbers, never the target's, keeps verification lossless;
+        a head right 44% of the time at depth 1 and 11% at depth 3 was drafting to k = 7."""
+        return reach >= self.min_confidence
 
     def _reset(self) -> None:
         self._past: list[tuple[Any, Any]] | None = None  # committed head rows' KV

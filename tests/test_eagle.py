@@ -63,9 +63,45 @@ def test_each_layout_reads_the_layers_its_convention_names(deep_target, heads, l
 def test_a_head_chain_gives_exactly_plain_greedy_decoding(deep_target, heads, layout, k):
     truth = plain(deep_target, PROMPT, 30)
     engine = SpecEngine(deep_target)
+    drafter = build(deep_target, heads[layout], layout)
+    drafter.min_confidence = 0.0  # chains of exactly k, however unsure the random head is
     done = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=30),
-                                drafter=build(deep_target, heads[layout], layout), k=k))[-1]
+                                drafter=drafter, k=k))[-1]
     assert done.token_ids == truth
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("cut", [0.0, 0.05, 0.3, 1.0])
+def test_a_chain_stops_where_the_heads_own_confidence_in_it_falls_below_the_cut(
+        deep_target, heads, cut):
+    drafter = build(deep_target, heads["midlayer"], "midlayer")
+    drafter.min_confidence = cut
+    chosen: list[float] = []
+    choose = drafter._choose
+    drafter._choose = lambda logits: (lambda c: chosen.append(c[2]) or c)(choose(logits))
+    first = SpecEngine(deep_target).session.forward(PROMPT[:-1], n_logits=1,
+                                                    capture=drafter.capture_layers)
+    drafter.begin(PROMPT[:-1], first, SamplingParams(), np.random.default_rng(0))
+    tokens = drafter.propose(PROMPT, 7).tokens
+    reach = np.cumprod(chosen)
+    assert len(tokens) == len(chosen)
+    assert all(r >= cut for r in reach[:-1]) and (len(tokens) == 7 or reach[-1] < cut)
+    if cut == 0.0:
+        assert len(tokens) == 7  # no cut: the head's probabilities are not even computed
+    else:
+        assert 0.0 < reach[0] < 1.0
+    if cut == 1.0:
+        assert len(tokens) == 1
+
+
+@pytest.mark.parametrize("k", [2, 7])
+def test_a_chain_cut_short_by_the_heads_confidence_still_gives_plain_greedy_decoding(
+        deep_target, heads, k):
+    drafter = build(deep_target, heads["midlayer"], "midlayer")
+    drafter.min_confidence = 0.05
+    done = list(SpecEngine(deep_target).generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                                 drafter=drafter, k=k))[-1]
+    assert done.token_ids == plain(deep_target, PROMPT, 30)
     assert done.stats.drafted > 0
 
 

@@ -328,6 +328,7 @@ def test_sampled_mlx_head_chains_report_the_q_they_sample_from(small_target, tmp
     params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 3, 4]
     drafter = build(small_target, spread_head(tmp_path / layout, layout), layout)
+    drafter.min_confidence = 0.0  # chains of 2 whatever the head's confidence
     first = small_target.start().forward(prompt, capture=drafter.capture_layers)
     drafter.begin(prompt, first, params, np.random.default_rng(0))
     counts = np.zeros(SMALL_VOCAB)

@@ -224,6 +224,7 @@ class MlxBackend:
             raise SpecdeckError(f"EAGLE-2 trees need tree attention, which the MLX backend "
                                 f"lacks (it verifies chains): drop --tree to draft {kind} "
                                 "chains on MLX, or use --backend torch for trees")
+        from backends.head_rows import CHAIN_MIN_CONFIDENCE
         from backends.mlx.heads.eagle import load_eagle_head, target_parts
         from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
 
@@ -233,7 +234,7 @@ class MlxBackend:
                                      vocab_size=target.vocab_size,
                                      n_layers=target.n_layers,
                                      dtype=_stored_dtype(target.net))
-        return MlxEagleDrafter(target, head, spec)
+        return MlxEagleDrafter(target, head, spec, min_confidence=CHAIN_MIN_CONFIDENCE)
 
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:

@@ -468,6 +468,7 @@ class TorchBackend:
             from backends.torch.heads.medusa import load_medusa_drafter
 
             return load_medusa_drafter(target, path)
+        from backends.head_rows import CHAIN_MIN_CONFIDENCE
         from backends.torch.heads.eagle import load_eagle_head
         from backends.torch.heads.eagle_drafter import EagleDrafter
 
@@ -484,7 +485,7 @@ class TorchBackend:
             # acceptance from 0.109 to 0.087 for one SmolLM2-135M head (spec-bench), though
             # not for a longer-trained one (0.112 either way)
             quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
-        return EagleDrafter(target, head, spec, tree=tree)
+        return EagleDrafter(target, head, spec, tree=tree, min_confidence=CHAIN_MIN_CONFIDENCE)
 
 
 class SubsetHead(torch.nn.Module):

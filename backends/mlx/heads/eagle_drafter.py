@@ -33,8 +33,10 @@ from backends.torch.heads.eagle_format import EagleSpec
 class MlxEagleDrafter(HeadRows):
     """Drafts chains with an EAGLE-3 or EAGLE-1/2 head on an MLX target."""
 
-    def __init__(self, target: Any, head: Eagle3Head | Eagle1Head, spec: EagleSpec) -> None:
+    def __init__(self, target: Any, head: Eagle3Head | Eagle1Head, spec: EagleSpec,
+                 min_confidence: float = 0.0) -> None:
         self.head, self.spec = head, spec
+        self.min_confidence = min_confidence  # a chain stops below this (HeadRows.confident)
         self.name = spec.kind
         self._hs = spec.hs_ids(target.n_layers)
         # the session's hook on layer L returns its output: hidden-state index L + 1
@@ -94,12 +96,14 @@ class MlxEagleDrafter(HeadRows):
         past = self._past
         chosen: list[mx.array] = []
         probs: list[np.ndarray] = []
+        reach = 1.0
         for j in range(k):
             token, q = self._choose(logits)
             chosen.append(token)
             if q is not None:
                 probs.append(q)
-            if j == k - 1:
+            reach *= self._probability(logits, token, q)
+            if j == k - 1 or not self.confident(reach):
                 break
             h, past = self.head(self._embed(token[None]), feedback[None, None], position, past)
             position += 1
@@ -108,6 +112,16 @@ class MlxEagleDrafter(HeadRows):
         tokens = mx.concatenate(chosen).tolist()  # a greedy chain leaves the device once
         return Draft(tokens=tuple(int(t) for t in tokens),
                      probs=np.stack(probs) if probs else None, source=self.name)
+
+    def _probability(self, draft_logits: mx.array, token: mx.array, q: np.ndarray | None
+                     ) -> float:
+        """The head's probability of the token it chose; 1.0 (no read back) when no cut-off
+        is set, so a greedy chain leaves the device once."""
+        if not self.min_confidence:
+            return 1.0
+        if q is not None:
+            return float(q[int(token.item())])
+        return float(mx.max(mx.softmax(draft_logits.astype(mx.float32), axis=-1)).item())
 
     def _choose(self, draft_logits: mx.array) -> tuple[mx.array, np.ndarray | None]:
         """[1] target id: the argmax when greedy (left on the device); else a sample from q

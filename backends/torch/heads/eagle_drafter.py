@@ -48,8 +48,10 @@ class EagleDrafter(HeadRows):
     """Drafts with an EAGLE-3 or EAGLE-1/2 head; tree=True drafts EAGLE-2 dynamic trees."""
 
     def __init__(self, target: Any, head: torch.nn.Module, spec: EagleSpec, tree: bool = False,
-                 top_k: int = TREE_TOP_K, max_nodes: int = TREE_NODES) -> None:
+                 top_k: int = TREE_TOP_K, max_nodes: int = TREE_NODES,
+                 min_confidence: float = 0.0) -> None:
         self.head, self.spec = head, spec
+        self.min_confidence = min_confidence  # a chain stops below this (HeadRows.confident)
         self.tree, self.top_k, self.max_nodes = tree, top_k, max_nodes
         self.name = spec.kind + ("-tree" if tree else "")
         self._hs = spec.hs_ids(target.n_layers)
@@ -110,12 +112,14 @@ class EagleDrafter(HeadRows):
         past = self._past
         tokens: list[int] = []
         probs: list[np.ndarray] = []
+        reach = 1.0
         for j in range(k):
-            token, q = self._choose(logits)
+            token, q, p = self._choose(logits)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-            if j == k - 1:
+            reach *= p
+            if j == k - 1 or not self.confident(reach):
                 break
             ids = torch.tensor([[token]], device=self._device)
             h, past = self.head(self._embed(ids), feedback[None, None],
@@ -125,17 +129,21 @@ class EagleDrafter(HeadRows):
         return Draft(tokens=tuple(tokens), probs=np.stack(probs) if probs else None,
                      source=self.name)
 
-    def _choose(self, draft_logits: torch.Tensor) -> tuple[int, np.ndarray | None]:
-        """Argmax when greedy; else a sample from q over the target vocabulary (q returned)."""
+    def _choose(self, draft_logits: torch.Tensor) -> tuple[int, np.ndarray | None, float]:
+        """Argmax when greedy; else a sample from q over the target vocabulary (q returned);
+        with the head's probability of the token chosen."""
         if self._params.greedy:
             best = draft_logits.argmax(-1, keepdim=True)
-            return int(self.head.to_target(best)[0]), None
+            p = 1.0 if not self.min_confidence else \
+                float(torch.softmax(draft_logits.float(), -1)[best])
+            return int(self.head.to_target(best)[0]), None, p
         full = np.full(self._vocab, -np.inf, dtype=np.float32)
         ids = self.head.to_target(torch.arange(draft_logits.shape[-1],
                                                device=self._device)).cpu().numpy()
         full[ids] = draft_logits.float().cpu().numpy()
         q = warp(full, self._params)
-        return sample(q, self._rng), q
+        token = sample(q, self._rng)
+        return token, q, float(q[token])
 
     # ------------------------------------------------------------------ EAGLE-2 trees
 

@@ -107,6 +107,12 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cache_kwarg(hf: Any) -> str:
+    """The name the model's forward takes its cache by: transformers 5.x renamed
+    past_key_values to cache (the old name warns until it is dropped)."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
 def auto_cpu_dtype(path: Path) -> tuple[str, str]:
     """(dtype, why) for --dtype auto on the CPU: the fastest mode whose weights are no coarser
     than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
@@ -325,9 +331,7 @@ class TorchModel:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.layers = hf.model.layers
-        # transformers 5.x renames past_key_values to cache; take whichever this version has
-        params = inspect.signature(hf.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(hf)
         self.n_layers = len(self.layers)
         self.capabilities = _capabilities(config)
         # fp32 keeps exactness without padding (its multi-row forwards cost up to 2x more here)

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from backends.torch.backend import cache_kwarg
+
 
 @dataclass(frozen=True)
 class Example:
@@ -75,7 +77,7 @@ def _decode(hf: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos:
     states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     while alive:
         logits = hf(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                    use_cache=True, logits_to_keep=1, **{cache_kwarg(hf): cache}).logits
         aux = torch.cat([step[str(i)].pop() for i in ids], dim=-1).cpu()
         final = step["final"].pop().cpu()
         chosen = logits[:, -1].argmax(-1).tolist()

@@ -84,6 +84,21 @@ def test_the_lean_forward_grows_its_cache_past_its_first_allocation(tmp_path):
         assert (a == b).all()
 
 
+def test_a_tree_path_is_kept_in_slots_grown_during_a_forward(tmp_path):
+    model = TorchBackend().load(str(_folder("llama", tmp_path)), device="cpu", dtype="float32")
+    lean = model.start()
+    model.lean = None
+    reference = model.start()
+    for session in (lean, reference):
+        for chunk in range(9):  # past the first allocation: the forward grows the slots
+            session.forward(_ids(60, chunk))
+        base = session.length
+        session.forward(_ids(7, 4), n_logits=7, parents=(-1, 0, 0, 1, 1, 2, 4))
+        session.keep(base, (0, 2, 5))  # not the first rows: the slots are moved
+    a, b = (s.forward([9, 10], n_logits=2).host_logits() for s in (lean, reference))
+    assert lean.tokens == reference.tokens and (a == b).all()
+
+
 def test_models_the_lean_forward_does_not_compute_keep_the_transformers_forward():
     assert lean_reason(tiny_llama(seed=1).hf) == "its projections are not fused"
     from transformers import Qwen3ForCausalLM  # q/k norms: not the Llama layout

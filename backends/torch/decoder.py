@@ -89,8 +89,11 @@ class StaticKV:
         """Keep the first `length` tokens, then the tokens in `slots` (ascending), in order."""
         index = torch.tensor(list(slots), dtype=torch.long)
         end = length + len(index)
-        self.keys[:, :, length:end] = self.keys.index_select(2, index)
-        self.values[:, :, length:end] = self.values.index_select(2, index)
+        # slots grown inside a forward are inference tensors, writable only in inference mode
+        # (a tree's kept path after a 600-token rag prompt raised here, outside it)
+        with torch.inference_mode():
+            self.keys[:, :, length:end] = self.keys.index_select(2, index)
+            self.values[:, :, length:end] = self.values.index_select(2, index)
         self.length = end
 
 

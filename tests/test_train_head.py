@@ -157,6 +157,7 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
             weight.normal_(0.0, 0.3)
     folder = save_eagle3(head, tmp_path / "head")
     drafter = drafters.build_drafter("eagle3", target, backend=TorchBackend(), head=str(folder))
+    drafter.min_confidence = 0.0  # every step up to depth, however unsure the random head
     prompt, depth = [0, 5, 9, 12, 5, 9, 3, 7, 30], 4
     first = SpecEngine(target).session.forward(prompt, n_logits=1,
                                                capture=drafter.capture_layers)
@@ -199,6 +200,7 @@ def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(an
     target = TorchModel(hf, tiny_tokenizer(VOCAB), name="tiny-target", device="cpu")
     drafter = drafters.build_drafter("eagle3", target, backend=TorchBackend(),
                                      head=str(save_eagle3(head, tmp_path / "head")))
+    drafter.min_confidence = 0.0  # rounds of the controller's k: every depth is compared
     rounds = []
     propose = drafter.propose
 

@@ -21,7 +21,9 @@ import pkgutil
 import random
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 SKIP_PREFIXES = ("test", "idlelib", "tkinter", "turtle", "ensurepip", "lib2to3", "pydoc_data",
                  "antigravity", "this", "__")
@@ -40,6 +42,18 @@ def modules() -> list[str]:
     return [n for n in names if not n.startswith(SKIP_PREFIXES)]
 
 
+def imported() -> Iterator[tuple[str, ModuleType]]:
+    """(name, module) for each standard-library module that imports on this machine."""
+    for module_name in modules():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - platform-only modules fail to import
+                continue
+        yield module_name, module
+
+
 def prompt_for(name: str, function: object) -> str | None:
     doc = inspect.getdoc(function)
     if not doc or len(doc.strip().splitlines()) < 2 or len(doc) > 1200:
@@ -54,13 +68,7 @@ def prompt_for(name: str, function: object) -> str | None:
 
 def collect(exclude: set[str]) -> list[str]:
     prompts: list[str] = []
-    for module_name in modules():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(module_name)
-            except Exception:  # noqa: BLE001 - platform-only modules fail to import
-                continue
+    for module_name, module in imported():
         for name, function in inspect.getmembers(module, inspect.isfunction):
             if name.startswith("_") or name in exclude or function.__module__ != module_name:
                 continue

@@ -14,18 +14,14 @@ questions about it, rewrite), and word problems are drawn from templates. Writes
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
-import pkgutil
 import random
 import re
-import sys
-import warnings
 from pathlib import Path
 
-SKIP_PREFIXES = ("test", "idlelib", "tkinter", "turtle", "ensurepip", "lib2to3", "pydoc_data",
-                 "antigravity", "this", "__")
+from code_prompts import imported  # scripts/ is this script's import path
+
 TASKS = (
     "Summarize the following text in one or two sentences.\n\n{text}",
     "Translate the following text into German.\n\n{text}",
@@ -53,13 +49,7 @@ def paragraphs() -> list[str]:
     """Prose paragraphs (two or more sentences, no code) of stdlib module and function
     docstrings."""
     found: list[str] = []
-    for name in _modules():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - platform-only modules fail to import
-                continue
+    for name, module in imported():
         docs = [inspect.getdoc(module)] + [inspect.getdoc(f) for f in _members(module, name)]
         for doc in filter(None, docs):
             found += [p for p in _split(doc) if _is_prose(p)]
@@ -74,11 +64,6 @@ def _members(module: object, name: str) -> list[object]:
     methods = [f for c in own if inspect.isclass(c) for n, f in vars(c).items()
                if not n.startswith("_") and inspect.isfunction(f)]
     return own + methods
-
-
-def _modules() -> list[str]:
-    names = sorted(m.name for m in pkgutil.iter_modules() if m.name in sys.stdlib_module_names)
-    return [n for n in names if not n.startswith(SKIP_PREFIXES)]
 
 
 def _split(doc: str) -> list[str]:

@@ -62,6 +62,8 @@ def prompt_for(name: str, function: object) -> str | None:
         signature = str(inspect.signature(function))
     except (TypeError, ValueError):
         return None
+    if "=<" in signature:  # a default printed as <object at 0x...>: not Python, not repeatable
+        return None
     body = "\n".join(f"    {line}" if line else "" for line in doc.splitlines())
     return f'def {name}{signature}:\n    """\n{body}\n    """\n'
 

@@ -234,3 +234,31 @@ def test_an_exploration_whose_rows_cost_more_than_its_accepted_token_keeps_the_l
             break
         controller.observe(0, 0, 0.0, controller.verify_cost(1), 0.0)
     assert not any(run_plain(controller, 9))
+
+
+def test_a_plain_cost_overstated_by_the_probe_is_retimed_and_a_weak_drafter_turned_off():
+    # the probe ran while another process held the cores: one row looked 3x its cost
+    controller = KController(k_max=4)
+    controller.seed_costs({1: 0.30, 2: 0.36, 3: 0.39, 4: 0.45, 5: 0.54})
+    true_cost = {1: 0.10, 2: 0.12, 3: 0.13, 4: 0.15, 5: 0.18}
+    choices = []
+    for step in range(200):
+        k = controller.choose()
+        choices.append(k)
+        accepted = 1 if k and step % 5 == 0 else 0  # 20% of first drafts accepted
+        controller.observe(k, accepted, 0.01 * k, true_cost[k + 1], 0.0)
+    assert any(choices[:32]), "the overstated plain cost made speculation look worth it"
+    assert choices[-40:].count(0) >= 36, "a 0.12 s step for 1.2 tokens loses to 0.10 s for 1"
+
+
+def test_a_speculating_controller_retimes_plain_ever_more_rarely_while_it_agrees():
+    controller = KController(k_max=4, plain_every=8, max_explore_gap=32)
+    controller.seed_costs(FLAT)
+    feed(controller, 40, n_drafted=4, n_accepted=4, draft_s=0.0)
+    plain = []
+    for step in range(120):
+        k = controller.choose()
+        if k == 0:
+            plain.append(step)
+        controller.observe(k, k, 0.0, FLAT[k + 1], 0.0)
+    assert plain == [7, 23, 55, 87, 119]  # gaps of 8, 16, 32, then capped at 32

@@ -18,7 +18,11 @@ back to `explore_every`, and a new generation caps it at `new_text_gap`. Evidenc
 drafts are observed, so a long stretch off keeps what was measured instead of drifting back
 to the prior. Likewise every `explore_every` steps a speculating controller drafts one token
 more than it would: positions past the chosen k are never examined otherwise, and their prior
-alone kept k=1 on a pair whose k=3 ran 1.4x faster (measured, int8 Qwen pair).
+alone kept k=1 on a pair whose k=3 ran 1.4x faster (measured, int8 Qwen pair). And after
+`plain_every` steps on, a speculating controller takes one plain step to re-time it: the
+one-row cost is otherwise known only from the probe, and a probe slowed by another process
+(3x, in a bench) kept a head at 18% acceptance drafting for a whole run, 0.85x plain. The wait
+doubles (up to `max_explore_gap`) while the re-timing agrees with the estimate.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class KController:
     explore_every: int = 16
     max_explore_gap: int = 256
     new_text_gap: int = 64  # a new generation waits at most this long to explore
+    plain_every: int = 32  # steps on before a plain step re-times the one-row cost
+    retime_tolerance: float = 0.2  # a re-timing within this of the estimate agrees with it
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
     # seconds per drafted token (EMA) for each drafter that proposed (a chain's members each
     # have their own): a free lookup must not make model drafting look free
@@ -53,6 +59,9 @@ class KController:
     _steps_on: int = 0
     _idle: int = 0  # plain steps since the last step that drafted
     _exploring: bool = False  # the step being chosen is an exploration
+    _since_plain: int = 0  # steps on since the last plain step
+    _plain_gap: int = 0  # steps on before the next re-timing; 0 = plain_every
+    _retiming: bool = False  # the step being chosen is a plain step that re-times
 
     def __post_init__(self) -> None:
         self._reached = [0.0] * self.k_max
@@ -138,6 +147,7 @@ class KController:
         rates = [self.expected_tokens(k) / self.step_seconds(k) for k in range(self.k_max + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         if best == 0:
+            self._since_plain = 0
             self._steps_off += 1
             gap = self._off_gap or self.explore_every
             if self._steps_off >= gap:
@@ -147,6 +157,10 @@ class KController:
                 return max(range(1, self.k_max + 1), key=rates.__getitem__)
             return best
         self._steps_off = self._off_gap = 0
+        self._since_plain += 1
+        if self._since_plain >= (self._plain_gap or self.plain_every):
+            self._since_plain, self._retiming = 0, True
+            return 0
         self._steps_on += 1
         if self._steps_on % self.explore_every == 0:
             return min(best + 1, self.k_max)
@@ -167,7 +181,10 @@ class KController:
             self.extra_rows[n_drafted] = _ema(self.extra_rows.get(n_drafted),
                                               rows - n_drafted - 1)
         old = self.verify_s.get(rows)
-        self.verify_s[rows] = _ema(old, verify_s)
+        if self._retiming and not n_drafted:
+            self._retime(old, verify_s)
+        else:
+            self.verify_s[rows] = _ema(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
             cost = self.draft_costs.get(source)
@@ -181,11 +198,19 @@ class KController:
                 self._off_gap = 0  # look again soon rather than after the longest gap
         else:
             self._idle += 1
-        self._exploring = False
+        self._exploring = self._retiming = False
         for j in range(min(n_drafted, n_accepted + 1, self.k_max)):
             self._reached[j] += 1.0  # draft j+1 was examined: every earlier one survived
         for j in range(min(n_accepted, self.k_max)):
             self._accepted[j] += 1.0
+
+    def _retime(self, old: float | None, seconds: float) -> None:
+        """Fold a deliberate plain step's time into the one-row cost. Another process only
+        ever slows a step, so a faster time than believed is taken as it is."""
+        agrees = old is not None and abs(seconds / old - 1) <= self.retime_tolerance
+        self.verify_s[1] = seconds if old is None or seconds < old else _ema(old, seconds)
+        gap = self._plain_gap or self.plain_every
+        self._plain_gap = min(2 * gap, self.max_explore_gap) if agrees else self.plain_every
 
     def _paid(self, n_accepted: int, seconds: float) -> bool:
         """Whether a step committed tokens faster than a plain step would have. Not "every draft

@@ -72,14 +72,17 @@ def test_unmeasured_verify_sizes_are_interpolated():
 def test_auto_k_keeps_the_output_of_plain_decoding(target, unrelated):
     from app.core.engine import SpecEngine
     from app.core.types import SamplingParams
+    from app.drafters.chain import ChainDrafter
     from app.drafters.draft_model import DraftModelDrafter
     from app.drafters.ngram import NgramDrafter
 
     prompt = [5, 9, 12, 5, 9, 3, 7, 5, 9]
     params = SamplingParams(max_new_tokens=40)
     plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    lookup_then_model = ChainDrafter((NgramDrafter(min_n=2, full_only=True, name="lookup"),
+                                      DraftModelDrafter(target, unrelated)))
     for drafter in (NgramDrafter(), DraftModelDrafter(target, unrelated),
-                    DraftModelDrafter(target, target)):
+                    DraftModelDrafter(target, target), lookup_then_model):
         engine = SpecEngine(target, drafter, k="auto")
         done = list(engine.generate(prompt, params))[-1]
         assert done.token_ids == plain.token_ids, drafter.name

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.core.adaptive import KController
+from app.core.auto_k import AutoK
 from app.core.protocols import Drafter, Model, NoDrafter, TargetOutput
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
@@ -183,16 +184,24 @@ class SpecEngine:
                 f"the prompt has {len(prompt_ids)} tokens but {self.target.name} takes at most "
                 f"{ctx} (prompt and reply together): shorten the prompt or clear the history")
 
-    def controller(self, drafter: Drafter | None = None, k: int | str | None = None
-                   ) -> KController | None:
-        """The k controller a call with this drafter and k uses (None unless k is "auto")."""
+    def controllers(self, drafter: Drafter | None = None, k: int | str | None = None
+                    ) -> list[KController] | None:
+        """The k controllers a call with this drafter and k uses, one per member of a chain
+        (app/core/auto_k.py), kept across calls; None unless k is "auto"."""
         drafter = drafter or self.drafter
         k = self.k if k is None else k
         if k != "auto" or isinstance(drafter, NoDrafter):
             return None
-        if drafter.name not in self._controllers:
-            self._controllers[drafter.name] = KController(k_max=self.k_max_default)
-        return self._controllers[drafter.name]
+        members = getattr(drafter, "members", None)
+        names = [f"{drafter.name}/{m.name}" for m in members] if members else [drafter.name]
+        return [self._controllers.setdefault(name, KController(k_max=self.k_max_default))
+                for name in names]
+
+    def controller(self, drafter: Drafter | None = None, k: int | str | None = None
+                   ) -> KController | None:
+        """The controller of the drafter (a chain's: its last member's, the model's)."""
+        controllers = self.controllers(drafter, k)
+        return controllers[-1] if controllers else None
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None, *, drafter: Drafter | None = None,
@@ -221,7 +230,9 @@ class SpecEngine:
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                   cancel: threading.Event | None, drafter: Drafter, k: int | str
                   ) -> Iterator[Event]:
-        call = _Call(drafter=drafter, k=k, controller=self.controller(drafter, k))
+        controllers = self.controllers(drafter, k)
+        call = _Call(drafter=drafter, k=k,
+                     auto=AutoK(drafter, controllers) if controllers else None)
         prompt = [int(t) for t in prompt_ids]
         limit = min(params.max_new_tokens, self.target.context_length - len(prompt))
         rng = np.random.default_rng(params.seed)
@@ -232,10 +243,9 @@ class SpecEngine:
         tally = _Tally(n_prompt=len(prompt), n_cached=reuse, k=call.k_max)
         try:
             self.session.rewind(reuse)
-            if call.controller is not None:
-                call.controller.new_text()
-                if not call.controller.verify_s:
-                    call.controller.seed_costs(self._probe_verify_costs(prompt[0], call.k_max))
+            if call.auto is not None:
+                call.auto.start(self._probe_verify_costs(prompt[0], call.k_max)
+                                if call.auto.needs_costs() else None)
             start = time.perf_counter()
             first_out = self.session.forward(prompt[reuse:], n_logits=1,
                                              capture=drafter.capture_layers)
@@ -283,12 +293,14 @@ class SpecEngine:
                    rng: np.random.Generator, rules: _StopRules, tally: _Tally) -> _StepResult:
         """One propose -> verify -> keep -> accept step; returns the committed tokens."""
         n_output = len(context) - tally.n_prompt
-        chosen = call.controller.choose() if call.controller is not None else int(call.k)
-        # never draft past the token limit: the step also commits one target token
-        k = min(chosen, limit - n_output - 1)
-        tally.off_steps += chosen == 0 and call.controller is not None
+        cap = limit - n_output - 1  # never draft past the limit: a step adds a target token
         t0 = time.perf_counter()
-        draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
+        if call.auto is not None:
+            draft = call.auto.propose(context, cap)
+            tally.off_steps += call.auto.off
+        else:
+            k = min(int(call.k), cap)
+            draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
         tree = draft.is_tree
         if tree and not self.target.capabilities.tree_attention:
             draft, tree = draft.first_chain(), False  # this backend verifies chains only
@@ -317,11 +329,11 @@ class SpecEngine:
             reason = rules.admit(token, n_output + len(new))
             if reason is not None:
                 break
-        if call.controller is not None:
+        if call.auto is not None:
             # the stop rules and text after t3 are this step's overhead
-            call.controller.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
-                                    time.perf_counter() - t3 + draft.catch_up_s,
-                                    source=draft.source, rows=len(draft.tokens) + 1)
+            call.auto.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
+                              time.perf_counter() - t3 + draft.catch_up_s,
+                              source=draft.source, rows=len(draft.tokens) + 1)
         return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
                            n_drafted=len(draft.tokens), reason=reason)
 
@@ -361,15 +373,15 @@ class SpecEngine:
 
 @dataclass(frozen=True)
 class _Call:
-    """One generate call's drafter, k and (for k="auto") controller."""
+    """One generate call's drafter, k and (for k="auto") its controllers."""
 
     drafter: Drafter
     k: int | str
-    controller: KController | None
+    auto: AutoK | None
 
     @property
     def k_max(self) -> int:
-        return self.controller.k_max if self.controller is not None else int(self.k)
+        return self.auto.k_max if self.auto is not None else int(self.k)
 
 
 @dataclass(frozen=True)

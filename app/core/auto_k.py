@@ -1,0 +1,85 @@
+"""AutoK: k="auto" for one generate call, with a k controller per member of a chain.
+
+Knows: the Drafter protocol, a chain's `members` (cheap lookups first, a model last: see
+app/drafters/chain.py), one KController per member, which member drafts a step. Must not
+know: verification, models, timing (the engine measures and hands the times in).
+
+Why per member: one controller priced a chain's k with its dearest member, so a head that did
+not pay (18% acceptance) turned speculation off for the chain, and with it the lookup that
+alone ran 1.11x plain (SmolLM2-135M, spec-bench): lookup+eagle3 ran 0.98x. Here a lookup is
+first asked for one token (microseconds), and only when it has a continuation does its own
+controller choose k; the model member is asked only when no lookup drafted, by its controller.
+A controller observes only the steps it chose for: the ones it drafted, and plain steps after
+it said 0 (so its one-row cost stays its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from app.core.adaptive import KController
+from app.core.protocols import Drafter
+from app.core.types import Draft
+
+
+class AutoK:
+    """Chooses each step's drafting member and k, and routes the step's outcome back."""
+
+    def __init__(self, drafter: Drafter, controllers: Sequence[KController]) -> None:
+        members = tuple(getattr(drafter, "members", None) or (drafter,))
+        if len(members) != len(controllers):
+            raise ValueError(f"{len(members)} members, {len(controllers)} controllers")
+        self._pairs = tuple(zip(members, controllers))
+        self._asked: list[KController] = []  # controllers that chose this step
+        self._said: list[int] = []  # what each chose, before the step's token cap
+        self._drafting: KController | None = None  # the one whose member drafted
+
+    @property
+    def k_max(self) -> int:
+        return max(controller.k_max for _, controller in self._pairs)
+
+    @property
+    def off(self) -> bool:
+        """Whether this step's controllers were asked and every one said 0."""
+        return bool(self._said) and not any(self._said)
+
+    def start(self, verify_costs: Mapping[int, float] | None) -> None:
+        """A new generation; verify_costs seed controllers that have no cost curve yet."""
+        for _, controller in self._pairs:
+            controller.new_text()
+            if not controller.verify_s and verify_costs:
+                controller.seed_costs(verify_costs)
+
+    def needs_costs(self) -> bool:
+        return any(not controller.verify_s for _, controller in self._pairs)
+
+    def propose(self, context: Sequence[int], cap: int) -> Draft:
+        """The step's draft (empty: a plain step); no more than cap tokens."""
+        self._asked, self._said, self._drafting = [], [], None
+        last = len(self._pairs) - 1
+        for i, (member, controller) in enumerate(self._pairs):
+            # a lookup: whether it has a continuation at all, before its controller counts
+            if i < last and (cap <= 0 or not member.propose(context, 1).tokens):
+                continue
+            self._asked.append(controller)
+            self._said.append(controller.choose())
+            k = min(self._said[-1], cap)
+            if k <= 0:
+                continue
+            draft = member.propose(context, k).within(k)
+            if draft.tokens:
+                self._drafting = controller
+                return draft if draft.source else replace(draft, source=member.name)
+        return Draft()
+
+    def observe(self, depth: int, n_accepted: int, draft_s: float, verify_s: float,
+                other_s: float, source: str, rows: int) -> None:
+        """The step's outcome, to the controller that drafted it, or else (a plain step) to
+        every controller that chose this step."""
+        if self._drafting is not None:
+            self._drafting.observe(depth, n_accepted, draft_s, verify_s, other_s,
+                                   source=source, rows=rows)
+            return
+        for controller in self._asked:
+            controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1)

@@ -101,11 +101,44 @@ def test_batched_answers_equal_each_prompts_own_greedy_answer_and_finished_ones_
 def test_draft_vocabulary_holds_the_most_frequent_tokens_sorted_with_offsets_and_mask():
     counts = np.zeros(20, dtype=np.int64)
     counts[[17, 3, 9]] = [50, 40, 40]
-    ids = draft_vocabulary(counts, 5)
+    ids = draft_vocabulary(counts, 5, multiple=5)
     assert ids.tolist() == [0, 1, 3, 9, 17]  # the 3 seen, then the lowest unseen ids
+    assert draft_vocabulary(counts, 2, multiple=5).tolist() == [3, 17]  # ties: the lower id
     d2t, t2d = d2t_t2d(ids, 20)
     assert (np.arange(5) + d2t).tolist() == ids.tolist()
     assert np.all(np.diff(d2t) >= 0) and t2d.sum() == 5 and t2d[ids].all()
+
+
+def test_draft_vocabulary_stops_at_the_seen_tokens_rounded_up_to_whole_blocks():
+    counts = np.zeros(50_000, dtype=np.int64)
+    seen = np.arange(1000, 1000 + 70 * 7, 7)  # 70 tokens the answers hold
+    counts[seen] = 3
+    ids = draft_vocabulary(counts, 32000)
+    assert len(ids) == 128  # not 32,000: 70 seen, rounded up to two blocks of 64
+    assert set(seen.tolist()) <= set(ids.tolist())
+    assert set(ids.tolist()) - set(seen.tolist()) == set(range(58))  # the lowest unseen ids
+    assert len(draft_vocabulary(counts, 100)) == 100  # the asked size stays the maximum
+
+
+def test_answering_reports_each_decode_step_before_its_shard_is_written(tmp_path):
+    from app.train import TrainRequest
+    from backends.torch.train_head import _answers
+
+    target = save_target(tmp_path / "target")
+    prompts = tuple(f"w{i} w{i + 3} w{i + 7}" for i in range(2, 8))
+    request = TrainRequest(target_path=str(target), prompts=prompts, work=str(tmp_path / "w"),
+                           out=str(tmp_path / "head"), max_new_tokens=10, gen_batch=4,
+                           device="cpu", dtype="float32")
+    seen: list[tuple[int, bool]] = []
+    first_shard = data.shard_path(tmp_path / "w", 0)
+    examples = _answers(request, "cpu", tmp_path / "w",
+                        lambda p: seen.append((p.done, first_shard.is_file())))
+    forwards = max(len(e.tokens) - e.prompt_len for e in examples[:4])  # the first shard's
+    before_first_shard = [done for done, saved in seen if not saved]
+    assert forwards > 1 and len(before_first_shard) == forwards  # a report per forward
+    assert before_first_shard[-1] == 4 and before_first_shard[0] < 4
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    assert seen[-1][0] == len(prompts)
 
 
 def test_shard_files_give_back_the_same_examples(answers, tmp_path):
@@ -262,6 +295,25 @@ def test_a_chain_counts_a_depth_only_where_every_earlier_depth_was_right(answers
     assert accuracy.tau == pytest.approx(1 + sum(accuracy.chained))
 
 
+def test_held_out_accuracy_counts_answer_tokens_outside_the_draft_vocabulary_as_misses(
+        answers):
+    hf = tiny_target()
+    rows = loop.answer_rows(answers, 2)
+    for draft_vocab in (VOCAB, 24):
+        head = fresh_head(hf, draft_vocab=draft_vocab)
+        frozen = frozen_parts(hf, head)
+        batch = loop.make_batch(answers, list(range(len(answers))), head.t2d, frozen, "cpu")
+        with torch.no_grad():
+            result = ttt_step(head, frozen.embed, batch, 2)
+        if draft_vocab == VOCAB:
+            assert list(result.rows) == rows  # every answer token is in a whole vocabulary
+        else:
+            assert result.rows[0] < rows[0]
+        accuracy = loop.evaluate(head, frozen, answers, 2, 256, "cpu", False)
+        assert accuracy.per_depth[0] == pytest.approx(result.correct[0] / rows[0])
+        assert accuracy.chained[1] == pytest.approx(result.chained[1] / rows[0])
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answers, tmp_path):
     hf = tiny_target()
     settings = loop.LoopSettings(epochs=2, lr=1e-3, warmup=2, batch_tokens=128, depth=2,
@@ -285,6 +337,27 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(answ
     assert summary["steps"] > 5
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_checkpoint_for_another_draft_vocabulary_is_not_resumed_and_says_so(answers,
+                                                                              tmp_path):
+    hf = tiny_target()
+    settings = loop.LoopSettings(epochs=1, lr=1e-3, warmup=2, batch_tokens=128, depth=2,
+                                 save_every=2)
+    before = fresh_head(hf, draft_vocab=40)
+    loop.train(before, frozen_parts(hf, before), answers, settings, tmp_path, "cpu", False,
+               lambda p: None)
+    notes: list[str] = []
+    other = fresh_head(hf, draft_vocab=32)
+    summary = loop.train(other, frozen_parts(hf, other), answers, settings, tmp_path, "cpu",
+                         False, lambda p: notes.append(p.message) if p.phase == "note" else None)
+    assert len(notes) == 1 and "draft vocabulary" in notes[0] and "starts over" in notes[0]
+    assert summary["steps"] == len(loop.batches(answers, 128, settings.seed, 0))
+    again = fresh_head(hf, draft_vocab=32, seed=5)
+    loop.train(again, frozen_parts(hf, again), answers, settings, tmp_path, "cpu", False,
+               lambda p: notes.append(p.message) if p.phase == "note" else None)
+    assert len(notes) == 1  # its own checkpoint resumes without a word
+    torch.testing.assert_close(again.lm_head.weight, other.lm_head.weight)
 
 
 def save_target(folder: Path) -> Path:

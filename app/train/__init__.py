@@ -100,7 +100,8 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--gen-batch", type=int, default=TrainRequest.gen_batch,
                    help="prompts answered together (one read of the weights per token)")
     p.add_argument("--draft-vocab", type=int, default=32000,
-                   help="the head's vocabulary: the target's most frequent tokens")
+                   help="the head's vocabulary, at most: the target's most frequent tokens "
+                        "in its answers (only tokens they hold, in blocks of 64)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-4,
                    help="peak learning rate (1e-3 diverged on a 1.5B target)")

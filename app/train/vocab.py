@@ -11,20 +11,25 @@ import numpy as np
 
 from app.core.types import SpecdeckError
 
+ROWS_MULTIPLE = 64  # output-layer rows in whole blocks for the matmul kernels
 
-def draft_vocabulary(counts: np.ndarray, size: int) -> np.ndarray:
-    """The `size` most frequent token ids (ties: the lower id), sorted ascending.
 
-    Fewer distinct tokens than `size` were seen: the rest are the lowest ids not chosen yet.
-    Byte-pair vocabularies number their earliest (most common) merges first, so these are the
-    likeliest unseen tokens."""
+def draft_vocabulary(counts: np.ndarray, size: int, multiple: int = ROWS_MULTIPLE) -> np.ndarray:
+    """At most `size` of the most frequent token ids (ties: the lower id), sorted ascending.
+
+    Only tokens the answers hold, rounded up to `multiple` rows: a token never seen in training
+    is never the head's right guess (a SmolLM2 head cut from 32,000 rows to its 4,771 seen
+    tokens kept the same held-out accuracy), while every row costs each draft step. The
+    rounding takes the lowest ids not chosen yet: byte-pair vocabularies number their
+    earliest (most common) merges first, so these are the likeliest unseen tokens."""
     vocab = len(counts)
     if not 0 < size <= vocab:
         raise SpecdeckError(f"--draft-vocab must be between 1 and the target's vocabulary "
                             f"({vocab}); got {size}")
     order = np.lexsort((np.arange(vocab), -counts))  # by count descending, then id
     seen = order[counts[order] > 0][:size]
-    rest = np.setdiff1d(np.arange(vocab), seen, assume_unique=True)[:size - len(seen)]
+    rows = min(size, max(multiple, -(-len(seen) // multiple) * multiple))
+    rest = np.setdiff1d(np.arange(vocab), seen, assume_unique=True)[:rows - len(seen)]
     return np.sort(np.concatenate([seen, rest]).astype(np.int64))
 
 

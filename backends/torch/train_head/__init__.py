@@ -141,13 +141,25 @@ def _answers(request: Any, device: str, work: Path,
             eos = sorted(model.eos_token_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
             batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
-            answers = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad)
+            # a shard of a 1.5B target takes minutes on 2 cores: report every decode step
+            report = _data_report(on_progress, s * size, len(order), made, started)
+            answers = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad,
+                                             report)
             data.save_shard(path, answers)
             examples += answers
             made += sum(len(a.tokens) - a.prompt_len for a in answers)
         rate = made / max(time.monotonic() - started, 1e-9)
         on_progress(TrainProgress("data", min((s + 1) * size, len(order)), len(order), rate))
     return examples
+
+
+def _data_report(on_progress: ProgressFn, before: int, total: int, made: int,
+                 started: float) -> data.StepFn:
+    """A shard's decode steps as answering progress: prompts done, tokens written per second."""
+    def report(finished: int, written: int) -> None:
+        rate = (made + written) / max(time.monotonic() - started, 1e-9)
+        on_progress(TrainProgress("data", before + finished, total, rate))
+    return report
 
 
 def _answering_model(path: str, device: str, dtype: str) -> TorchModel:

@@ -106,6 +106,10 @@ def train(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example],
     optim = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=s.lr,
                               betas=(0.9, 0.95), weight_decay=0.0)
     state = load_checkpoint(work, head, optim, s)
+    if state.get("stale"):
+        on_progress(TrainProgress("note", 0, 0, message=(
+            f"the checkpoint in {work} is for another head (its draft vocabulary or size "
+            "differs): training starts over; the answers are kept")))
     per_epoch = len(batches(examples, s.batch_tokens, s.seed, 0))
     total = per_epoch * s.epochs
     running = _Running(s.depth)
@@ -176,19 +180,26 @@ class Accuracy:
 @torch.no_grad()
 def evaluate(head: Eagle3Head, frozen: Frozen, examples: Sequence[Example], depth: int,
              budget: int, device: str, bf16: bool) -> Accuracy:
-    """Top-1 accuracy per TTT depth over these examples (the data's own tokens fed back)."""
-    correct, rows, chained = [0] * depth, [0] * depth, [0] * depth
+    """Top-1 accuracy per TTT depth over these examples (the data's own tokens fed back), over
+    every answer token: one outside the draft vocabulary is a miss, as it is when drafting."""
+    correct, chained = [0] * depth, [0] * depth
     for idx in batches(examples, budget, 0, 0):
         batch = make_batch(examples, idx, head.t2d.cpu(), frozen, device)
         with autocast(device, bf16):
             result = ttt_step(head, frozen.embed, batch, depth)
         for j in range(depth):
             correct[j] += result.correct[j]
-            rows[j] += result.rows[j]
             chained[j] += result.chained[j]
+    rows = answer_rows(examples, depth)
     roots = max(rows[0], 1)  # a chain's share is over every row it could start from
     return Accuracy(tuple(c / n if n else 0.0 for c, n in zip(correct, rows)),
                     tuple(c / roots for c in chained))
+
+
+def answer_rows(examples: Sequence[Example], depth: int) -> list[int]:
+    """Per TTT depth j, the rows whose scored token (t+2+j) is an answer token."""
+    return [sum(max(0, len(e.tokens) - max(e.prompt_len, 2 + j)) for e in examples)
+            for j in range(depth)]
 
 
 # ---- checkpoints -----------------------------------------------------------------------
@@ -205,14 +216,27 @@ def save_checkpoint(work: Path, head: Eagle3Head, optim: torch.optim.Optimizer,
 
 def load_checkpoint(work: Path, head: Eagle3Head, optim: torch.optim.Optimizer,
                     s: LoopSettings) -> dict[str, int]:
-    """The resumed step (0 without a checkpoint); head and optimizer restored in place."""
+    """The resumed step (0 without a checkpoint, or with one for another head: `stale` 1);
+    head and optimizer restored in place."""
     path = work / CHECKPOINT
     if not path.is_file():
         return {"step": 0}
     data = torch.load(path, map_location="cpu", weights_only=True)
+    if not _same_head(data["head"], head.state_dict()):
+        return {"step": 0, "stale": 1}
     head.load_state_dict(data["head"])
     optim.load_state_dict(data["optim"])
     return {"step": int(data["step"])}
+
+
+def _same_head(saved: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> bool:
+    """Same tensors, shapes and draft vocabulary (another --draft-vocab or other data changes
+    the vocabulary; its rows would not mean the same tokens)."""
+    if saved.keys() != fresh.keys():
+        return False
+    if any(saved[k].shape != fresh[k].shape for k in fresh):
+        return False
+    return torch.equal(saved["d2t"].cpu(), fresh["d2t"].cpu())
 
 
 def has_checkpoint(work: Path) -> bool:

@@ -135,8 +135,9 @@ def test_answering_reports_each_decode_step_before_its_shard_is_written(tmp_path
                         lambda p: seen.append((p.done, first_shard.is_file())))
     forwards = max(len(e.tokens) - e.prompt_len for e in examples[:4])  # the first shard's
     before_first_shard = [done for done, saved in seen if not saved]
-    assert forwards > 1 and len(before_first_shard) == forwards  # a report per forward
-    assert before_first_shard[-1] == 4 and before_first_shard[0] < 4
+    # one report before the prompts are read, then one per forward
+    assert forwards > 1 and len(before_first_shard) == 1 + forwards
+    assert before_first_shard[0] == 0 and before_first_shard[-1] == 4
     assert [done for done, _ in seen] == sorted(done for done, _ in seen)
     assert seen[-1][0] == len(prompts)
 

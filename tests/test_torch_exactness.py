@@ -15,10 +15,17 @@ from app.core.types import SamplingParams, SpecdeckError
 from app.drafters.draft_model import DraftModelDrafter
 from app.drafters.ngram import NgramDrafter
 from backends.torch import backend as torch_backend
+from backends.torch import quant
 from backends.torch.attention import NAME, rowwise_sdpa
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.fuse import FusedProjection, ProjectionSlice, fuse_projections
-from backends.torch.quant import Int4Linear, W8A8Linear, quantize_linear, w8a8_is_exact
+from backends.torch.quant import (
+    Int4Linear,
+    Int8Linear,
+    W8A8Linear,
+    quantize_linear,
+    w8a8_is_exact,
+)
 from tests.conftest import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -181,6 +188,37 @@ def test_a_prompt_longer_than_a_verify_decodes_the_same_with_and_without_specula
         tiny_folder, dtype):
     target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
     prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]  # prefilled in one forward
+    params = SamplingParams(max_new_tokens=30)
+    plain = list(SpecEngine(target).generate(prompt, params))[-1]
+    for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
+        done = list(SpecEngine(target, drafter, k=5).generate(prompt, params))[-1]
+        assert done.token_ids == plain.token_ids
+
+
+def test_an_int8_layer_runs_a_long_prompt_in_float32_where_the_cpu_lacks_native_bf16(
+        monkeypatch):
+    torch.manual_seed(0)
+    layer = Int8Linear.quantize(torch.nn.Linear(256, 96, bias=False))
+    rows = torch.randn(Int8Linear.FLOAT_ROWS, 256).to(torch.bfloat16)
+    by_hand = ((rows.float() @ layer.weight_int8.float().t()) * layer.scales.float()).bfloat16()
+    kernel = torch._weight_int8pack_mm(rows, layer.weight_int8, layer.scales)
+    with torch.inference_mode():
+        monkeypatch.setattr(quant, "_float_is_faster", lambda: True)
+        assert torch.equal(layer(rows), by_hand)
+        short = rows[:Int8Linear.FLOAT_ROWS - 1]  # fewer rows (a verify block): the kernel
+        assert torch.equal(layer(short), kernel[:Int8Linear.FLOAT_ROWS - 1])
+        monkeypatch.setattr(quant, "_float_is_faster", lambda: False)
+        assert torch.equal(layer(rows), kernel)
+    assert (by_hand.float() - kernel.float()).abs().max() < 0.02 * kernel.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_prompt_run_in_float32_decodes_the_same_with_and_without_speculation(
+        tiny_folder, dtype, monkeypatch):
+    monkeypatch.setattr(quant, "_float_is_faster", lambda: True)
+    monkeypatch.setattr(Int8Linear, "FLOAT_ROWS", torch_backend.MAX_VERIFY_ROWS + 1)
+    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]
     params = SamplingParams(max_new_tokens=30)
     plain = list(SpecEngine(target).generate(prompt, params))[-1]
     for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):

@@ -30,8 +30,9 @@ class TrainProgress:
             return self.message
         bar = _bar(self.done, self.total)
         rate = f"{self.tokens_per_s:,.0f} tok/s"
-        if self.phase == "data":
-            return f"answering prompts {bar} {self.done}/{self.total}  {rate}"
+        if self.phase == "data":  # no rate before a token is written (or all read back)
+            return f"answering prompts {bar} {self.done}/{self.total}" + (
+                f"  {rate}" if self.tokens_per_s > 0 else "")
         acc = " ".join(f"{a:.2f}" for a in self.accuracy)
         return (f"epoch {self.epoch} {bar} step {self.done}/{self.total}  {rate}  "
                 f"loss {self.loss:.3f}  top-1 by depth {acc}")
@@ -50,15 +51,17 @@ class TerminalLine:
     """Rewrites one line on a terminal (a new line per update elsewhere, at most 1/s)."""
 
     stream: TextIO = field(default_factory=lambda: sys.stderr)
+    clock: Callable[[], float] = time.monotonic
     _last: float = 0.0
 
     def __call__(self, p: TrainProgress) -> None:
+        live = self.stream.isatty()
         if p.phase in ("note", "saved"):
-            print(("\n" if self._last else "") + p.line(), file=self.stream, flush=True)
+            # on a terminal the progress line is still open: end it first
+            print(("\n" if live and self._last else "") + p.line(), file=self.stream, flush=True)
             self._last = 0.0
             return
-        now = time.monotonic()
-        live = self.stream.isatty()
+        now = self.clock()
         if not live and now - self._last < 1.0 and p.done < p.total:
             return
         print(("\r" if live else "") + p.line(), end="" if live else "\n",

@@ -141,9 +141,10 @@ def _answers(request: Any, device: str, work: Path,
             eos = sorted(model.eos_token_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
             batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
-            # a shard of a 1.5B target takes minutes on 2 cores: report every decode step
+            # a shard of a 1.5B target takes many minutes on 2 cores (its prompts alone take
+            # minutes to read): report before reading them and after every decode step
             report = _data_report(on_progress, s * size, len(order), made, started)
-            report(0, 0)  # before the batch's prompts are read: minutes for a 1.5B on 2 cores
+            report(0, 0)
             answers = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad,
                                              report)
             data.save_shard(path, answers)

@@ -134,24 +134,23 @@ def _answers(request: Any, device: str, work: Path,
     started, made, model = time.monotonic(), 0, None
     for s in range(n_shards):
         path = data.shard_path(work, s)
+        report = _data_report(on_progress, s * size, len(order), made, started)
         if path.is_file():
-            examples += data.load_shard(path)
-        else:
-            model = model or _answering_model(request.target_path, device, dtype)
-            eos = sorted(model.eos_token_ids)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-            batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
-            # a shard of a 1.5B target takes many minutes on 2 cores (its prompts alone take
-            # minutes to read): report before reading them and after every decode step
-            report = _data_report(on_progress, s * size, len(order), made, started)
-            report(0, 0)
-            answers = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad,
-                                             report)
-            data.save_shard(path, answers)
-            examples += answers
-            made += sum(len(a.tokens) - a.prompt_len for a in answers)
-        rate = made / max(time.monotonic() - started, 1e-9)
-        on_progress(TrainProgress("data", min((s + 1) * size, len(order)), len(order), rate))
+            shard = data.load_shard(path)
+            report(len(shard), 0)
+            examples += shard
+            continue
+        model = model or _answering_model(request.target_path, device, dtype)
+        eos = sorted(model.eos_token_ids)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        batch = [encoded[i] for i in order[s * size:(s + 1) * size]]
+        # a shard of a 1.5B target takes many minutes on 2 cores (its prompts alone take
+        # minutes to read): report before reading them and after every decode step
+        report(0, 0)
+        shard = data.generate_examples(model.hf, batch, request.max_new_tokens, eos, pad, report)
+        data.save_shard(path, shard)
+        examples += shard
+        made += sum(len(a.tokens) - a.prompt_len for a in shard)
     return examples
 
 

@@ -19,16 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app import drafters, remoting
+from app import remoting
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
+from app.flags import add_model_arguments
 
-DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
-                    "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
-DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations), "
-              "w8a8 (int8 weights and per-token int8 activations), int4 (4-bit weights, CPU) or "
-              "w4a8 (4-bit weights, int8 activations per 32, CPUs with AVX512-VNNI); "
-              "auto on CPU: the fastest mode no coarser than the model file (--json says why)")
-DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
     "app.store", "app.bench.run", "app.serve.server", "app.ui", "app.catalogue.recipe",
@@ -93,37 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a target and a drafter."""
-    p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
-    p.add_argument("--drafter", choices=drafters.CHOICES, default="ngram",
-                   help="how draft tokens are proposed (none = plain decoding)")
-    p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft, or "
-                                   "the head folder for --drafter eagle3 / eagle")
-    p.add_argument("--tree", action="store_true",
-                   help="draft EAGLE-2 dynamic trees (--drafter eagle3 / eagle); k is the depth")
-    p.add_argument("--k", type=k_value, default=4,
-                   help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
-                        "from measured costs and acceptance")
-    p.add_argument("--backend", default="auto",
-                   help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
-
-
-def k_value(text: str) -> int | str:
-    """--k: a whole number (validated later, with the fix named) or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        message = f"--k takes a whole number or auto (got {text!r})"
-        raise argparse.ArgumentTypeError(message) from None
-
-
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -185,7 +148,8 @@ def _prompt_text(path: Path) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from app.loading import encode_prompt, load_engine
+    from app.core.prompt import encode_prompt
+    from app.loading import load_engine
 
     params = sampling_params(args)
     text = read_prompt(args)

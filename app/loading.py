@@ -12,7 +12,8 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from backends import files_of, load_backend
+from backends import load_backend
+from backends.extras import files_of
 
 
 @dataclass(frozen=True)
@@ -141,23 +142,3 @@ def _auto_drafter(args: Any, backend: str, draft_path: str | None,
         return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)
     path = str(plan.choice.path) if plan.choice.path else None
     return plan.choice.kind, path, tuple(plan.reasons())
-
-
-def encode_prompt(tokenizer: Any, text: str, chat: bool = False,
-                  system: str | None = None) -> list[int]:
-    """Token ids of the prompt; with chat, through the tokenizer's own chat template."""
-    if not chat:
-        return list(tokenizer.encode(text))
-    if not getattr(tokenizer, "chat_template", None):
-        raise SpecdeckError("this model's tokenizer has no chat template: drop --chat")
-    messages = ([{"role": "system", "content": system}] if system else [])
-    messages.append({"role": "user", "content": text})
-    return chat_ids(tokenizer, messages)
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation, ending with the assistant's turn opened."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]

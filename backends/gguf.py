@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.core.types import SpecdeckError
-from app.store.integrity import sha256_of
-from backends import install_hint
+from backends.digest import sha256_of
+from backends.extras import install_hint
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 SOURCE_RECORD = ".specdeck-source.json"  # inside the folder: the GGUF it was built from

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import backends
+import backends.extras
 from app.core.types import SpecdeckError
 
 
@@ -32,5 +33,5 @@ def test_the_install_hints_name_the_packages_of_pyprojects_extras():
     tomllib = pytest.importorskip("tomllib")
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
-    for extra, packages in backends.EXTRAS.items():
+    for extra, packages in backends.extras.EXTRAS.items():
         assert {_name(p) for p in packages} == {_name(r) for r in extras[extra]}, extra

@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 
 from app.bench import run as bench
-from app.bench.run import BenchPrompt, BenchSettings, Record, first_divergence, summarise
+from app.bench.records import Record
+from app.bench.run import BenchPrompt, BenchSettings, first_divergence, summarise
 from app.cli import main
 from app.core.types import SpecdeckError
 from backends.torch.backend import TorchBackend

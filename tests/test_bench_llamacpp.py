@@ -21,8 +21,8 @@ from app.bench import run as bench
 from app.bench.report import format_table, summary_line
 from app.bench.run import BenchPrompt, BenchSettings
 from app.cli import main
+from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError
-from app.loading import encode_prompt
 from backends.torch.backend import TorchBackend
 from tests.conftest import tiny_llama
 from tests.test_bench import REPORT_SCHEMA, SUMMARY_SCHEMA

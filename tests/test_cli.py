@@ -92,7 +92,7 @@ def test_a_binary_prompt_file_is_one_clear_line(tiny_folder, capsys, tmp_path, c
 
 def test_a_specdeck_home_that_is_a_file_names_the_fix(capsys, tmp_path, monkeypatch):
     import app.cli
-    from app.store.layout import home
+    from app.paths import home
 
     def uses_home(_args) -> int:  # what pull does first with the home folder
         home().mkdir(parents=True, exist_ok=True)

@@ -74,10 +74,10 @@ def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_comp
 
 def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_context(
         catalogue, monkeypatch):
-    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
-    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)  # nor VNNI: float32
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
+    monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)  # nor VNNI: float32
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)  # nor torch's int4 kernel
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
                            16 * GB, 4096)
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
@@ -110,12 +110,12 @@ def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue
 
 def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeypatch):
     pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
-    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
-    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)
     fp32 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
-    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: True)
     bf16 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     assert bf16.target_weights_bytes * 2 == fp32.target_weights_bytes
@@ -123,9 +123,9 @@ def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeyp
 
 def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(catalogue,
                                                                            monkeypatch):
-    monkeypatch.setattr("backends.cpu_has_vnni", lambda: True)
+    monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: True)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     assert fit.dtype == "w8a8"
@@ -136,7 +136,7 @@ def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(cata
 def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_8_bit_prompt_copy(catalogue,
                                                                                 monkeypatch):
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: True)
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
@@ -260,10 +260,10 @@ def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue)
 
 def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path, catalogue,
                                                                        monkeypatch):
-    monkeypatch.setattr("backends.cpu_has_native_bf16", lambda: False)  # float32 weights
-    monkeypatch.setattr("backends.cpu_has_vnni", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)  # float32 weights
+    monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: False)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
     info = planner.describe(str(folder), catalogue)
     assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"
@@ -326,7 +326,7 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
 
 def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_never(
         catalogue, monkeypatch):
-    monkeypatch.setattr("backends.cpu_has_w4a8", lambda: True)
+    monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: True)
     fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params

@@ -65,9 +65,9 @@ def test_large_k_keeps_speculative_output_equal_to_plain_in_every_cpu_dtype(smol
                                                                             dtype):
     # the target drafting for itself accepts long runs, so verifies reach k + 1 rows
     from app.core.engine import SpecEngine, last_done
+    from app.core.prompt import chat_ids
     from app.core.types import SamplingParams
     from app.drafters import build_drafter
-    from app.loading import chat_ids
     from backends.torch.backend import TorchBackend
 
     backend = TorchBackend()

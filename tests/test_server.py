@@ -297,7 +297,7 @@ def test_real_chat_model_replies_like_the_local_engine(smollm2_gguf: Path,
                                                        tmp_path: Path) -> None:
     import torch
 
-    from app.loading import chat_ids
+    from app.core.prompt import chat_ids
 
     messages = [{"role": "user", "content": "Name three primary colors, comma separated."}]
     # float32 on both sides (auto would run this Q4_1 GGUF as int4)

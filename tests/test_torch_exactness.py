@@ -23,9 +23,9 @@ from backends.torch.quant import (
     Int4Linear,
     Int8Linear,
     W8A8Linear,
-    quantize_linear,
     w8a8_is_exact,
 )
+from backends.torch.quantize import quantize_linear
 from tests.conftest import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]

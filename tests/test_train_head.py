@@ -15,11 +15,11 @@ from safetensors import safe_open  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from app.train import prompts as training_prompts  # noqa: E402
-from app.train.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
 from backends.torch.heads.eagle import Eagle3Head, load_eagle_head  # noqa: E402
 from backends.torch.train_head import data, loop  # noqa: E402
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
 from backends.torch.train_head.ttt import ttt_logits, ttt_step  # noqa: E402
+from backends.torch.train_head.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
 from tests.conftest import tiny_llama, tiny_tokenizer  # noqa: E402
 
 VOCAB = 48

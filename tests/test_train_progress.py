@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from app.train.progress import TerminalLine, TrainProgress
+from app.train.progress import TerminalLine
+from backends.train_progress import TrainProgress
 
 
 def test_the_answering_line_shows_a_rate_only_once_tokens_are_written():

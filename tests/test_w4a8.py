@@ -72,7 +72,8 @@ def test_every_row_of_a_w4a8_forward_gets_its_one_row_bits_and_prompts_run_on_8_
 
 
 def test_layers_the_kernel_cannot_tile_and_the_output_layer_keep_8_bits():
-    from backends.torch.quant import Int8Linear, W8A8Linear, quantize_linear
+    from backends.torch.quant import Int8Linear, W8A8Linear
+    from backends.torch.quantize import quantize_linear
 
     eight_bit = (Int8Linear, W8A8Linear)
     assert isinstance(quantize_linear(torch.nn.Linear(64, 40), "w4a8", is_head=False),

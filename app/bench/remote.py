@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.bench.prompts import BenchPrompt
-from app.bench.run import Config, Record
+from app.bench.records import Config, Record
 from app.core.engine import last_done
 from app.core.types import SamplingParams
 

@@ -36,11 +36,12 @@ from typing import Any
 
 from app import drafters
 from app.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompts
+from app.bench.records import Config, Record
 from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
-from app.cli import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
 from app.core.engine import SpecEngine, check_k, last_done
+from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
-from app.loading import encode_prompt
+from app.flags import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
 from app.remoting import add_remote_arguments
 from app.train import prompts as training_prompts
 
@@ -71,36 +72,6 @@ class BenchSettings:
 
 
 # ---------------------------------------------------------------- one configuration
-
-@dataclass(frozen=True)
-class Config:
-    name: str  # "plain", "ngram k=4", "draft k=auto", "hf-assisted"
-    drafter: str  # none, ngram, draft, hf-plain, hf-assisted, hf-prompt-lookup
-    k: int | str
-
-
-@dataclass(frozen=True)
-class Record:
-    """One timed generation of one configuration on one prompt."""
-
-    config: str
-    prompt_id: str
-    category: str
-    repeat: int
-    token_ids: tuple[int, ...]
-    decode_tok_s: float
-    decode_s: float
-    decoded: int  # tokens after the first commit: the numerator of decode_tok_s
-    total_s: float
-    stats: dict[str, Any] | None  # RunStats.to_dict() for specdeck runs, None for HF's
-    error: str | None = None
-    n_new: int | None = None  # tokens generated, where token_ids may miss some (llama-server)
-
-    @property
-    def e2e_tok_s(self) -> float:
-        n = len(self.token_ids) if self.n_new is None else self.n_new
-        return n / self.total_s if self.total_s > 0 else 0.0
-
 
 class _EngineRunner:
     """One configuration on the target's one engine: its drafter and k, passed per call.

@@ -191,7 +191,7 @@ def dtype_for(backend: str, device: str, fmt: str | None = None,
     kernel; w8a8 with VNNI for 8.5 bits or fewer, else bfloat16 on CUDA and on CPUs with
     native bf16, else float32 (backends/torch/backend.py decides the same way, after its
     exactness checks)."""
-    from backends import cpu_has_native_bf16, cpu_has_vnni, cpu_has_w4a8
+    from backends.cpu import cpu_has_native_bf16, cpu_has_vnni, cpu_has_w4a8
 
     if backend == "mlx":
         return "float16"

@@ -27,6 +27,7 @@ import yaml
 from app import drafters
 from app.catalogue.shipped import shipped_path
 from app.core.types import SpecdeckError
+from app.paths import home
 
 CATALOGUE = shipped_path("models.yaml")
 TRAINED_CATALOGUE = "trained.yaml"  # under SPECDECK_HOME, written by `specdeck train-head`
@@ -211,8 +212,6 @@ def load_catalogue(path: str | Path | None = None) -> Catalogue:
 
 def _add_trained(data: _Map) -> None:
     """Merge the trained heads' models and pairs (an id the shipped catalogue has is kept)."""
-    from app.store.layout import home
-
     path = home() / TRAINED_CATALOGUE
     try:
         trained = yaml.load(path.read_text(encoding="utf-8"), Loader=_LineLoader)  # noqa: S506

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app import drafters
-from app.cli import add_model_arguments
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
+from app.flags import add_model_arguments
 from app.serve.admission import Gate, Ticket, read_body, require_json
 from app.serve.metrics import FINISH, Metrics, render_all
 from app.serve.pool import DEFAULT_KEEP_ALIVE, Listed, Pool, need_bytes, parse_duration
@@ -130,7 +130,7 @@ class Job:
 
 
 def chat_prompt(served: Served, request: ChatRequest) -> list[int]:
-    from app.loading import chat_ids
+    from app.core.prompt import chat_ids
 
     tokenizer = served.engine.target.tokenizer
     if not getattr(tokenizer, "chat_template", None):

@@ -50,11 +50,11 @@ from app.catalogue.registry import (
     load_catalogue,
 )
 from app.core.types import SpecdeckError
+from app.paths import home
 from app.store import hub, integrity, layout, mirror
 from app.store.layout import (
     MARKER,
     disk_bytes,
-    home,
     human_bytes,
     lock_path,
     model_dir,
@@ -458,7 +458,8 @@ def _disk_errors(model_id: str) -> Iterator[None]:
 
 
 def _backend(backend: str | None) -> str:
-    from backends import BACKENDS, detect_backend, files_of
+    from backends import detect_backend
+    from backends.extras import BACKENDS, files_of
 
     if backend in (None, "auto"):
         return detect_backend()

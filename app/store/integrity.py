@@ -10,12 +10,12 @@ A rehash that matches refreshes the record's mtime, so a touched file costs one 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-CHUNK = 2**20
+from backends.digest import sha256_of
+
 UNKNOWN = -1  # a size/mtime no file has: forces a rehash (records adopted from old markers)
 
 
@@ -43,14 +43,6 @@ class Check:
     @property
     def ok(self) -> bool:
         return not self.bad
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def record(folder: Path, name: str, sha256: str | None = None) -> FileRecord:

@@ -22,15 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from app.catalogue.registry import ModelSpec
+from app.paths import home
 from app.store import integrity
 from app.store.integrity import FileRecord
-from backends import files_of
+from backends.extras import files_of
 
 MARKER = ".specdeck-complete.json"
-
-
-def home() -> Path:
-    return Path(os.environ.get("SPECDECK_HOME") or Path.home() / ".cache" / "specdeck")
 
 
 def model_dir(model_id: str, backend: str) -> Path:

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from app.store.layout import home
+from app.paths import home
 
 
 def _path() -> Path:

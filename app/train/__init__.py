@@ -19,7 +19,8 @@ from typing import Any
 from app.core.types import SpecdeckError
 from app.train import prompts as training_prompts
 from app.train import register
-from app.train.progress import ProgressFn, TerminalLine
+from app.train.progress import TerminalLine
+from backends.train_progress import ProgressFn
 
 METHODS = ("eagle3",)
 DEFAULT_PROMPTS = ("spec-bench",)
@@ -78,7 +79,7 @@ _LOOP_KEYS = frozenset({"epochs", "lr", "depth", "batch_tokens", "save_every", "
 
 
 def _note(message: str) -> Any:
-    from app.train.progress import TrainProgress
+    from backends.train_progress import TrainProgress
     return TrainProgress("note", 0, 0, message=message)
 
 

@@ -21,6 +21,7 @@ import yaml
 from app.catalogue import registry
 from app.catalogue.registry import ModelSpec
 from app.core.types import SpecdeckError
+from app.paths import home
 from app.store import layout
 
 BACKEND = "torch"  # training and its heads run on the torch backend
@@ -68,7 +69,7 @@ def _slug(name: str) -> str:
 
 
 def work_dir(name: str) -> Path:
-    return layout.home() / "train" / name
+    return home() / "train" / name
 
 
 def install_head(target: Target, folder: Path, summary: dict[str, Any]) -> tuple[str, Path]:
@@ -88,7 +89,7 @@ def install_head(target: Target, folder: Path, summary: dict[str, Any]) -> tuple
 
 def _write_entry(head_id: str, pair_id: str, model: ModelSpec, config: dict[str, Any],
                  params: int) -> None:
-    path = layout.home() / registry.TRAINED_CATALOGUE
+    path = home() / registry.TRAINED_CATALOGUE
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError:

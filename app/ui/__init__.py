@@ -24,7 +24,7 @@ START_POLL_S = 0.5  # how often an open page refreshes the header while the star
 
 
 def add_subcommand(subparsers: Any) -> None:
-    from app.cli import add_model_arguments
+    from app.flags import add_model_arguments
 
     p = subparsers.add_parser("ui", help="open the app: chat, race, models, bench (Gradio)")
     p.add_argument("--host", default="127.0.0.1",

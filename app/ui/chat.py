@@ -1,6 +1,6 @@
 """The Chat tab: streaming multi-turn chat with live speculative stats and highlighted drafts.
 
-Knows: the conversation as turns, the tokenizer's chat template (app.loading.chat_ids), how
+Knows: the conversation as turns, the tokenizer's chat template (app.core.prompt.chat_ids), how
 Step/Done events become page updates, Stop through the Workbench's per-session cancel flag.
 Must not know: array libraries, how engines are built. Handlers are plain generators
 (events in, component values out), tested without a browser in tests/test_ui.py.
@@ -16,8 +16,8 @@ from typing import Any
 import gradio as gr
 
 from app import remoting
+from app.core.prompt import chat_ids
 from app.core.types import Done, SpecdeckError, Step
-from app.loading import chat_ids
 from app.ui.inputs import (
     CHAT_MAX_NEW,
     MIN_P,

@@ -16,8 +16,8 @@ from typing import Any
 
 import gradio as gr
 
+from app.core.prompt import chat_ids
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
-from app.loading import chat_ids
 from app.ui.chat import k_control, notice, session_of
 from app.ui.inputs import RACE_MAX_NEW, TEMPERATURE, parse_k, sampling_from
 from app.ui.render import Reply, escape_verbatim, friendly_error, legend_html, refusal, reply_html

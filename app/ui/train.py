@@ -13,8 +13,8 @@ from typing import Any
 
 import gradio as gr
 
-from app.train.progress import TrainProgress
 from app.ui.background import Background
+from backends.train_progress import TrainProgress
 
 DEFAULT_SOURCES = "spec-bench"
 

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
-from backends import cpu_has_native_bf16
+from backends.cpu import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
@@ -39,9 +39,9 @@ from backends.torch.quant import (
     W8A8Linear,
     int4_is_available,
     int4_is_exact,
-    quantize_linears,
     w8a8_is_exact,
 )
+from backends.torch.quantize import quantize_linears
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
 # too (per token), on oneDNN's kernels (CPU only); int4: 4-bit weights in groups of 32 with

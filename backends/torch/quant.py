@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from backends import cpu_has_native_bf16
+from backends.cpu import cpu_has_native_bf16
 
 _ZERO_POINT = 128  # activations go to oneDNN as uint8: value + 128
 
@@ -228,38 +227,6 @@ def _quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scales = quantize_rows(x.reshape(-1, x.shape[-1]).float())
     _last_input = (x, codes, scales)
     return codes, scales
-
-
-def quantize_linears(hf: Any, kind: str) -> None:
-    """Swap every nn.Linear (the output layer included) for a quantized layer of kind, in place.
-
-    int4 quantizes the layers' projections; the output layer keeps 8 bits (w8a8 where exact,
-    else weight-only int8), as llama.cpp's Q4_K_M keeps Q6_K there: its logits pick the token.
-    """
-    head = hf.get_output_embeddings()
-    for module in list(hf.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, quantize_linear(child, kind, is_head=child is head))
-    hf.to(torch.bfloat16)
-
-
-def quantize_linear(linear: torch.nn.Linear, kind: str, is_head: bool) -> torch.nn.Module:
-    """One linear layer in kind's quantization (the output layer keeps 8 bits under int4 and
-    w4a8)."""
-    if kind == "w4a8" and not is_head:
-        from backends.torch.w4a8 import W4A8Linear
-
-        if W4A8Linear.can_take(linear):
-            return W4A8Linear.quantize(linear)
-    if kind == "int4" and not is_head and Int4Linear.can_take(linear):
-        return Int4Linear.quantize(linear)
-    if kind == "int8" or not w8a8_is_exact():
-        return Int8Linear.quantize(linear)
-    # float32 logits: torch's argmax over 151,936 bf16 logits took 0.8 ms a row, over float32
-    # 0.1 ms (2-core EPYC), and sampling reads float32 anyway
-    return W8A8Linear.quantize(linear, keep_int8=is_head,
-                               out_dtype=torch.float32 if is_head else torch.bfloat16)
 
 
 def int4_is_available() -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from backends import cpu_has_w4a8
+from backends.cpu import cpu_has_w4a8
 from backends.torch.quant import (
     bf16_bias,
     prefill_copy,

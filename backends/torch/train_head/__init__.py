@@ -17,10 +17,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.core.prompt import encode_prompt
 from app.core.types import SpecdeckError
-from app.loading import encode_prompt
-from app.train.progress import ProgressFn, TrainProgress
-from app.train.vocab import coverage, draft_vocabulary
 from backends.gguf import hf_folder
 from backends.torch.backend import (
     TorchBackend,
@@ -34,6 +32,8 @@ from backends.torch.heads.eagle import Eagle3Head
 from backends.torch.train_head import data, loop
 from backends.torch.train_head.export import export
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target
+from backends.torch.train_head.vocab import coverage, draft_vocabulary
+from backends.train_progress import ProgressFn, TrainProgress
 
 HELD_OUT_EVERY = 10  # every 10th answer is held out for the accuracy report
 

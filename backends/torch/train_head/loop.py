@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from app.train.progress import ProgressFn, TrainProgress
 from backends.torch.heads.eagle import Eagle3Head
 from backends.torch.train_head.data import Example
 from backends.torch.train_head.ttt import Batch, ttt_step
+from backends.train_progress import ProgressFn, TrainProgress
 
 CHECKPOINT = "checkpoint.pt"
 

@@ -1,0 +1,40 @@
+"""What this CPU can do, read from /proc/cpuinfo: the probes behind `--dtype auto`, the
+planner's memory sizes and the kernels built on first use.
+
+Knows: the CPU flags. Must not know: anything else in specdeck (a leaf: imports only the
+standard library).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on this CPU (Linux reports them in /proc/cpuinfo): torch's
+    `--dtype auto` runs bfloat16 there, and the planner sizes memory for it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI, AVX-VNNI or AMX-INT8: where oneDNN's int8 matmul does not saturate, so
+    torch's `--dtype auto` may run a quantized source as w8a8 (its load check decides)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def cpu_has_w4a8() -> bool:
+    """AVX512-VNNI with AVX512-BW/VL: what torch's w4a8 kernel (backends/torch/kernels/w4a8.c)
+    is built for; the planner and `--dtype auto` prefer w4a8 to int4 there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))

@@ -1,5 +1,7 @@
 """The layout's import directions hold: the core stands alone, the app never reaches for an
-array library, and the drafter factory is the one place that lists drafter kinds."""
+array library, backends reach only for the core and the drafters, no module imports one that
+imports it back (function-level imports included), and the drafter factory is the one place
+that lists drafter kinds."""
 
 from __future__ import annotations
 
@@ -25,6 +27,74 @@ def modules(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of app/ and backends/ -> the project modules it imports, at any depth of
+    its code. `from package import name` points at package.name where that is a module."""
+    paths = {module_name(p): p for p in modules("app") + modules("backends")}
+
+    def known(name: str) -> str | None:
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in paths:
+                return ".".join(parts[:end])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package[:len(package) - node.level + 1]
+                                 + ([node.module] if node.module else []))
+                        if node.level else node.module or "")
+                for alias in node.names:
+                    child = f"{base}.{alias.name}"
+                    targets.add(child if child in paths else base)
+        graph[name] = {m for m in map(known, targets) if m and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif step not in index:
+                index[step] = low[step] = len(index)
+                stack.append(step)
+                work.append((step, iter(sorted(graph[step]))))
+            elif step in stack:
+                low[node] = min(low[node], index[step])
+    return found
+
+
 def test_the_core_imports_only_itself_numpy_and_the_standard_library():
     import sys
     for path in modules("app/core"):
@@ -41,11 +111,24 @@ def test_nothing_under_app_imports_torch_or_mlx():
                 f"{path.relative_to(ROOT)} imports {name}"
 
 
-def test_backends_never_import_the_user_surfaces():
-    for path in modules("backends"):
-        for name in imports(path):
-            assert not name.startswith(("app.ui", "app.serve", "app.bench")), \
-                f"{path.relative_to(ROOT)} imports {name}"
+def test_backends_import_only_the_core_and_the_drafters_of_the_app():
+    reaching = {name: sorted(m for m in targets if m.startswith("app")
+                             and not m.startswith(("app.core", "app.drafters")))
+                for name, targets in import_graph().items() if name.startswith("backends")}
+    assert {name: found for name, found in reaching.items() if found} == {}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_walk_sees_imports_inside_functions():
+    assert "backends.torch.backend" in import_graph()["backends"]
 
 
 def test_the_drafter_factory_is_the_only_place_that_lists_kinds():

@@ -333,3 +333,34 @@ def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_n
     assert fit.dtype == "w4a8"
     assert fit.target_weights_bytes == int(params * 1.625)
     assert planner.dtype_for("torch", "cpu", "gguf-q8_0") not in ("int4", "w4a8")
+
+
+def _trained_eagle3(tmp_path: Path, tau: float | None) -> Path:
+    folder = tmp_path / f"head-{tau}"
+    folder.mkdir()
+    if tau is not None:
+        (folder / "specdeck.json").write_text(json.dumps({"held_out_tau": tau}))
+    return folder
+
+
+def test_a_head_whose_recorded_tau_promises_nothing_is_passed_over_with_the_reason(
+        catalogue, tmp_path):
+    head = _trained_eagle3(tmp_path, 1.008)
+    installed = {"eagle3-qwen3-4b": head, "qwen3-0.6b": Path("/models/qwen3-0.6b")}
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                        implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}),
+                        installed=lambda m: installed.get(m.id))
+    assert plan.choice.kind == "draft"
+    eagle = next(o for o in plan.refused if o.kind == "eagle3")
+    assert "held-out τ of 1.008" in eagle.reason and "train-head" in eagle.reason
+
+
+def test_a_head_whose_recorded_tau_pays_or_that_has_no_record_is_still_chosen(
+        catalogue, tmp_path):
+    for tau in (1.6, None):
+        head = _trained_eagle3(tmp_path, tau)
+        plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
+                            implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}),
+                            installed=lambda m, head=head: head if m.id == "eagle3-qwen3-4b"
+                            else Path("/models") / m.id)
+        assert plan.choice.kind == "eagle3", tau

@@ -520,7 +520,8 @@ def preference(backend: str, device: str) -> tuple[str, ...]:
 
     The model-free pair swaps off CUDA: on a CPU or an Apple GPU a verify row costs about as
     much as a decoded token, so lookahead's wide tree loses to lookup (measured in
-    docs/ARCHITECTURE.md, bench rows), while a GPU verifies the rows nearly for free.
+    docs/PERFORMANCE.md, drafters that need no model), while a GPU verifies the rows nearly
+    for free.
     """
     kinds = [kind for kind, _ in PREFERENCE]
     if backend == "mlx" or not device.startswith("cuda"):

@@ -116,7 +116,7 @@ def cache_kwarg(hf: Any) -> str:
 def auto_cpu_dtype(path: Path) -> tuple[str, str]:
     """(dtype, why) for --dtype auto on the CPU: the fastest mode whose weights are no coarser
     than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
-    decoding: see docs/ARCHITECTURE.md, CPU dtypes)."""
+    decoding: see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
     source = file_type(path) if path.suffix == ".gguf" else None
     if source is None:
         base = "bfloat16" if cpu_has_native_bf16() else "float32"

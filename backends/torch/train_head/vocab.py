@@ -19,7 +19,7 @@ def draft_vocabulary(counts: np.ndarray, size: int, multiple: int = ROWS_MULTIPL
 
     Only tokens the answers hold, rounded up to `multiple` rows: a token never seen in training
     is never the head's right guess (a SmolLM2 head cut from 32,000 rows to the 4,800 these
-    rules keep had the same held-out accuracy and live acceptance; ARCHITECTURE.md), while
+    rules keep had the same held-out accuracy and live acceptance; docs/PERFORMANCE.md), while
     every row costs each draft step. The
     rounding takes the lowest ids not chosen yet: byte-pair vocabularies number their
     earliest (most common) merges first, so these are the likeliest unseen tokens."""

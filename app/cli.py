@@ -156,9 +156,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.remote:
         return remoting.generate(args, text, params)
     loaded = load_engine(args)
-    if not args.json:  # --drafter auto: what the planner chose and why not the others
-        for note in loaded.notes:
-            print(f"[{note}]", file=sys.stderr)
     prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
                                system=args.system)
     done = _stream(loaded.engine, prompt_ids, params, echo=not args.json)
@@ -168,9 +165,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result_json(done, loaded), ensure_ascii=False))
     else:
         s = done.stats
+        # --drafter auto: the planner's choice and why (--json adds why not the others)
+        drafter = loaded.notes[0] if loaded.notes else f"drafter {loaded.drafter_name}"
         print(f"\n[{s.n_new_tokens} tokens, {s.decode_tok_s:.2f} tok/s, τ "
               f"{s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.0%}, "
-              f"drafter {loaded.drafter_name}, k {loaded.engine.k}]", file=sys.stderr)
+              f"{drafter}, k {loaded.engine.k}]", file=sys.stderr)
     return 0
 
 

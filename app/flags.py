@@ -10,6 +10,10 @@ import argparse
 
 from app import drafters
 
+# every surface drafts with the planner's choice for the target, its k chosen per step from
+# measured costs (k=auto turns drafting off where it does not pay)
+DEFAULT_DRAFTER, DEFAULT_K = "auto", "auto"
+
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
 DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations), "
@@ -21,15 +25,16 @@ DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 dr
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a target and a drafter."""
     p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
-    p.add_argument("--drafter", choices=drafters.CHOICES, default="ngram",
-                   help="how draft tokens are proposed (none = plain decoding)")
+    p.add_argument("--drafter", choices=drafters.CHOICES, default=DEFAULT_DRAFTER,
+                   help="how draft tokens are proposed (none = plain decoding; auto, the "
+                        "default: the planner's choice for the target, its reason printed)")
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for --drafter draft, or "
                                    "the head folder for --drafter eagle3 / eagle")
     p.add_argument("--tree", action="store_true",
                    help="draft EAGLE-2 dynamic trees (--drafter eagle3 / eagle); k is the depth")
-    p.add_argument("--k", type=k_value, default=4,
-                   help="draft tokens per step (num_draft_tokens), or auto: chosen per step "
-                        "from measured costs and acceptance")
+    p.add_argument("--k", type=k_value, default=DEFAULT_K,
+                   help="draft tokens per step (num_draft_tokens), or auto (the default): "
+                        "chosen per step from measured costs and acceptance")
     p.add_argument("--backend", default="auto",
                    help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")

@@ -55,8 +55,8 @@ def load_engine(args: Any) -> Loaded:
         drafter_kind = given_head
     elif drafter_kind == "auto":
         runs = drafters.IMPLEMENTED if target.capabilities.hidden_states else drafters.LOGITS_ONLY
-        drafter_kind, draft_path, notes = _auto_drafter(args, backend.name, args.draft, runs)
-        drafter_kind = drafters.RUN_AS.get(drafter_kind, drafter_kind)
+        drafter_kind, draft_path, notes = auto_drafter(args.target, backend.name, args.device,
+                                                       args.draft, runs)
     if args.k == 0:
         drafter_kind = "none"
     draft = None
@@ -124,11 +124,12 @@ def _refuse_corrupted_files(*paths: str | None) -> None:
             store.check_file(path)
 
 
-def _auto_drafter(args: Any, backend: str, draft_path: str | None,
-                  runs: frozenset[str] = drafters.IMPLEMENTED
-                  ) -> tuple[str, str | None, tuple[str, ...]]:
+def auto_drafter(target: str, backend: str, device: str, draft_path: str | None,
+                 runs: frozenset[str] = drafters.IMPLEMENTED
+                 ) -> tuple[str, str | None, tuple[str, ...]]:
     """--drafter auto: the --draft model when given, else the planner's choice among the
-    drafters that are downloaded (a missing one is named in the notes, never fetched)."""
+    drafters that are downloaded (a missing one is named in the notes, never fetched).
+    The kind is the one to run (a draft model runs as its chain, lookup first)."""
     from app import store
     from app.catalogue import planner
 
@@ -136,9 +137,9 @@ def _auto_drafter(args: Any, backend: str, draft_path: str | None,
         return "chain", draft_path, (f"drafter: lookup, then the draft {draft_path} (given)",)
     files = files_of(backend)  # llama.cpp plans over the GGUF files pulled for torch
     try:
-        plan = planner.plan(args.target, files, args.device, implemented=runs,
+        plan = planner.plan(target, files, device, implemented=runs,
                             installed=lambda model: store.model_path(model, files))
     except SpecdeckError as error:
         return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)
     path = str(plan.choice.path) if plan.choice.path else None
-    return plan.choice.kind, path, tuple(plan.reasons())
+    return drafters.RUN_AS.get(plan.choice.kind, plan.choice.kind), path, tuple(plan.reasons())

@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from app.core.types import Done, SpecdeckError, Step
+from app.flags import DEFAULT_DRAFTER, DEFAULT_K
 
 if TYPE_CHECKING:  # httpx loads only when a command goes remote
     from app.serve.remote import RemoteEngine
 
-# the local model flags' defaults (app/cli.py add_model_arguments): only a changed value is
-# the user's wish, and only a specdeck server takes a per-request drafter and k
-DEFAULT_DRAFTER, DEFAULT_K = "ngram", 4
 LOCAL_ONLY = ("target", "draft")
 
 
@@ -47,10 +45,12 @@ def connect_remote(args: argparse.Namespace) -> RemoteEngine:
     from app.serve.remote import connect
 
     url = check_url(args.remote)
+    # only a changed flag is the user's wish (the server's own choice stands otherwise), and
+    # only a specdeck server takes a per-request drafter and k
     drafter = getattr(args, "drafter", DEFAULT_DRAFTER)
     k = getattr(args, "k", DEFAULT_K)
     return connect(url, model=args.model, api_key=args.api_key or None,
-                   drafter=drafter if drafter not in (DEFAULT_DRAFTER, "auto") else None,
+                   drafter=drafter if drafter != DEFAULT_DRAFTER else None,
                    k=k if k != DEFAULT_K else None)
 
 

@@ -41,7 +41,7 @@ from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_li
 from app.core.engine import SpecEngine, check_k, last_done
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
-from app.flags import DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
+from app.flags import DEFAULT_K, DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
 from app.remoting import add_remote_arguments
 from app.train import prompts as training_prompts
 
@@ -69,6 +69,7 @@ class BenchSettings:
     compare_hf: bool = False
     draft_vocab: int = 0  # 0 = the draft model's whole vocabulary
     head: str | None = None  # the head folder of eagle3 / eagle configurations
+    auto_kind: str | None = None  # what "auto" runs: the planner's choice for the target
 
 
 # ---------------------------------------------------------------- one configuration
@@ -121,7 +122,8 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
     for kind in dict.fromkeys(settings.drafters):
         if kind == "none":
             continue
-        resolved = ("chain" if draft is not None else "ngram") if kind == "auto" else kind
+        resolved = (settings.auto_kind or ("chain" if draft is not None else "ngram")
+                    if kind == "auto" else kind)
         resolved, tree = resolved.removesuffix(TREE_SUFFIX), resolved.endswith(TREE_SUFFIX)
         drafter, why = None, ""
         try:
@@ -453,10 +455,11 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto, eagle3, eagle (KIND:tree for "
-                        "EAGLE-2 trees) (default: ngram, and draft when a draft model is "
-                        "given); plain is always measured")
+                        "EAGLE-2 trees) (default: auto, the planner's choice for the target); "
+                        "plain is always measured")
     p.add_argument("--head", help="head folder (or catalogue head id) for eagle3 / eagle")
-    p.add_argument("--k", default="4", help="comma list of draft lengths: integers or auto")
+    p.add_argument("--k", default=str(DEFAULT_K),
+                   help="comma list of draft lengths: integers or auto (default: auto)")
     p.add_argument("--prompts", default="spec-bench",
                    help=f"{', '.join(PROMPT_SETS)} (NAME:cat1,cat2 keeps those categories) "
                         "or a JSONL file")
@@ -517,6 +520,13 @@ def _bench(args: argparse.Namespace) -> int:
     allowed = (*DRAFTER_KINDS, *(k + TREE_SUFFIX for k in drafters.TREES))
     kinds = (parse_list(args.drafters, allowed) if args.drafters else
              tuple(k for k in DEFAULT_KINDS if draft_path or k not in NEEDS_DRAFT_MODEL))
+    auto_kind, auto_notes = None, ()
+    if "auto" in kinds:
+        auto_kind, auto_path, auto_notes = _plan_auto(args, args.pair or target_path)
+        if auto_kind in NEEDS_DRAFT_MODEL and not draft_path:
+            draft_path = auto_path
+        if auto_kind in drafters.HEADS and not args.head:
+            args.head = auto_path
     if any(k.removesuffix(TREE_SUFFIX) in drafters.HEADS for k in kinds) and not args.head:
         raise SpecdeckError("--drafters eagle3 / eagle need the head: give --head HEAD_DIR")
     missing = [k for k in kinds if k in NEEDS_DRAFT_MODEL and not draft_path]
@@ -531,7 +541,8 @@ def _bench(args: argparse.Namespace) -> int:
                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              temperature=args.temperature, seed=args.seed, warmup=args.warmup,
                              chat=args.chat, compare_hf=args.compare_hf,
-                             draft_vocab=args.draft_vocab, head=_head(args.head, args.backend))
+                             draft_vocab=args.draft_vocab, head=_head(args.head, args.backend),
+                             auto_kind=auto_kind)
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     trained = training_prompts.trained_on(settings.head)
@@ -557,7 +568,7 @@ def _bench(args: argparse.Namespace) -> int:
                               target_path=target_path, draft_path=draft_path,
                               compare=sorted(compare | ({"hf"} if args.compare_hf else set())),
                               llama_cpp=llama.describe() if llama else None,
-                              head_training_prompts=len(trained))
+                              head_training_prompts=len(trained), auto=list(auto_notes))
     print(format_table(report))
     if args.json_out:
         _write_json(report, args.json_out)
@@ -565,6 +576,21 @@ def _bench(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
     print(json.dumps(summary_line(report), ensure_ascii=False))
     return 0
+
+
+def _plan_auto(args: argparse.Namespace, target: str
+               ) -> tuple[str, str | None, tuple[str, ...]]:
+    """What --drafters auto runs for this target: the planner's choice (as generate, serve and
+    the UI run it), its reasons printed."""
+    from app.loading import auto_drafter
+    from backends import detect_backend
+
+    backend = detect_backend() if args.backend == "auto" else args.backend
+    runs = drafters.LOGITS_ONLY if backend == "llamacpp" else drafters.IMPLEMENTED
+    kind, path, notes = auto_drafter(target, backend, args.device, args.draft, runs)
+    for note in notes:
+        _stderr(f"auto: {note}")
+    return kind, path, notes
 
 
 def _head(path: str | None, backend: str) -> str | None:

@@ -40,7 +40,7 @@ CHOICES = ("auto", *(k for k in KINDS if k in IMPLEMENTED))  # what a user may a
 TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds in TREES)
 # CHOICES with each tree-drafting kind's tree right after it (the UI's drafter menus)
 WITH_TREES = tuple(c for k in CHOICES for c in ((k, k + TREE_SUFFIX) if k in TREES else (k,)))
-BENCH_DEFAULT = ("ngram", "draft", "chain")  # what `bench` compares unless told (no model: ngram)
+BENCH_DEFAULT = ("auto",)  # what `bench` compares with plain unless told: the planner's choice
 # the planner names what a pair ships ("draft": a draft model); the fastest way to run it:
 # lookup first, the model where lookup has nothing (HumanEval, Qwen pair in w8a8, k=4, median
 # of 10 prompts: the model alone 1.43x plain, lookup first on 3+ matching tokens 1.63x)

@@ -49,7 +49,8 @@ from app.serve.requests import (
     shown,
 )
 
-DEFAULT_K = 4  # k for a per-request drafter when the server itself runs without one
+# k for a request that names another drafter than the server's and no k: chosen per step
+DEFAULT_K: int | str = "auto"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # a request without max_tokens gets this many (or the context left, when that is fewer):
 # vLLM's default, the whole context, lets one forgotten field hold the engine for minutes
@@ -73,7 +74,7 @@ class Served:
     model_id: str
     drafter_name: str
     backend_name: str = "?"
-    default_k: int = DEFAULT_K
+    default_k: int | str = DEFAULT_K
     api_key: str | None = None
     metrics: "Metrics" = field(default_factory=lambda: Metrics())
     gate: Gate = field(default_factory=lambda: Gate(DEFAULT_MAX_WAITING))
@@ -656,8 +657,7 @@ def add_subcommand(subparsers: Any) -> None:
                            "fits, idle pairs are unloaded to make room")
     installed.add_argument("--max-loaded", type=int, default=0,
                            help="pairs loaded at once at most (default 0: memory decides)")
-    # --drafter left out: ngram with --target (as before), the planner's choice per pair without
-    p.set_defaults(handler=_serve, drafter=None)
+    p.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -668,13 +668,12 @@ def _serve(args: argparse.Namespace) -> int:
     check_limits(args)
     if not args.target:
         return _serve_installed(args)
-    args.drafter = args.drafter or "ngram"
     listener = listen_socket(args.host, args.port)  # before the model: a taken port fails fast
     loaded = load_engine(args)
     engine = loaded.engine
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
-                    default_k=args.k if isinstance(args.k, int) and args.k > 0 else DEFAULT_K,
+                    default_k=request_k_default(args.k),
                     api_key=args.api_key or None, gate=Gate(args.max_waiting),
                     max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
                     backend=loaded.backend)
@@ -687,6 +686,12 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     cancelling_server()(config, served.gate).run(sockets=[listener])
     return 0
+
+
+def request_k_default(k: int | str) -> int | str:
+    """The server's --k for requests that name their own drafter: a plain server's k 0 would
+    turn their drafter off, so they get the default."""
+    return k if k == "auto" or (isinstance(k, int) and k > 0) else DEFAULT_K
 
 
 def _warn_if_open(host: str, api_key: str | None) -> None:
@@ -705,7 +710,7 @@ def _serve_installed(args: argparse.Namespace) -> int:
     keep_alive = parse_duration(args.keep_alive, "--keep-alive")
     listed, budget = installed_pairs(args)
     listener = listen_socket(args.host, args.port)
-    front = Served(engine=None, model_id="specdeck", drafter_name=args.drafter or "auto",
+    front = Served(engine=None, model_id="specdeck", drafter_name=args.drafter,
                    api_key=args.api_key or None, gate=Gate(args.max_waiting),
                    max_body_bytes=int(args.max_body_mb * 2**20))
     pool = Pool(listed, lambda pair_id: _load_pair(args, front, pair_id), budget, keep_alive,
@@ -753,7 +758,7 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int]:
         plan = planner.plan(row.pair.id, backend, args.device, memory=budget,
                             catalogue=catalogue, implemented=drafters.IMPLEMENTED,
                             installed=lambda model: store.model_path(model, backend))
-        drafter = args.drafter if args.drafter not in (None, "auto") else plan.choice.label
+        drafter = args.drafter if args.drafter != "auto" else plan.choice.label
         reason = "--drafter" if drafter == args.drafter else plan.choice.reason
         listed.append(Listed(row.pair.id, row.pair.name, drafter, reason, need_bytes(plan.fit),
                              row.pair.target.arch.context))
@@ -765,13 +770,13 @@ def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
     from app.loading import load_engine
 
     flags = argparse.Namespace(**{**vars(args), "target": pair_id,
-                                  "drafter": args.drafter or "auto"})
+                                  "drafter": args.drafter})
     loaded = load_engine(flags)
     for note in loaded.notes:
         print(f"specdeck: {pair_id}: {note}", file=sys.stderr)
     return Served(engine=loaded.engine, model_id=pair_id, drafter_name=loaded.drafter_name,
                   backend_name=loaded.backend_name,
-                  default_k=args.k if isinstance(args.k, int) and args.k > 0 else DEFAULT_K,
+                  default_k=request_k_default(args.k),
                   api_key=front.api_key, gate=front.gate, max_body_bytes=front.max_body_bytes,
                   draft=loaded.draft, backend=loaded.backend,
                   metrics=front.pair_metrics.setdefault(pair_id, Metrics()))

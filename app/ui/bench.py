@@ -66,7 +66,7 @@ class PairKey:
         if "pair" in report:
             return report["pair"] == asdict(self)
         # a report saved before reports named their pair: its target and draft model
-        settings = report.get("settings", {})
+        settings = report.get("settings") or {}
         return (self.head is None
                 and (settings.get("target"), settings.get("draft")) == (self.target, self.draft))
 
@@ -105,12 +105,14 @@ class Offer:
     def keep(self, chosen: list[str] | None) -> list[str]:
         """The chosen kinds this pair runs; the default when none of them does."""
         kept = [c for c in chosen or () if c in self.runnable]
-        return kept or [k for k in (DEFAULT_KIND,) if k in self.runnable] or list(
-            self.runnable[:1])
+        if kept:
+            return kept
+        return [DEFAULT_KIND] if DEFAULT_KIND in self.runnable else list(self.runnable[:1])
 
 
 def drafter_offer(bench: Workbench) -> Offer:
-    """Split the bench's drafter kinds by the Workbench's own check (issue 19's `resolve`)."""
+    """Split the bench's drafter kinds by the Workbench's own check (`resolve`, the one chat
+    and race refuse a kind by), so the tab offers nothing that would fail when run."""
     if not bench.loaded:
         return Offer()
     reasons = {kind: bench.why_not(kind) for kind in KINDS}

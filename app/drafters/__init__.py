@@ -28,6 +28,9 @@ NEEDS_DRAFT_MODEL = frozenset({"draft", "chain"})
 HEADS = frozenset({"medusa", "dflash", "eagle3", "eagle", "lookup+eagle3", "lookup+eagle"})
 TREES = frozenset({"eagle3", "eagle"})  # kinds that draft trees when asked (--tree)
 TORCH_ONLY = frozenset({"mtp", "medusa", "dflash"})  # kinds the MLX backend does not run
+NATIVE = frozenset({"mtp"})  # kinds that draft with layers inside the target's own checkpoint
+# kinds that read the target's hidden states (a logits-only target cannot feed them)
+READS_HIDDEN_STATES = HEADS | NATIVE
 # what a target that returns logits only runs (no hidden states for heads, no tree attention:
 # the llama.cpp backend)
 LOGITS_ONLY = frozenset({"none", "ngram", "draft", "chain"})

@@ -204,16 +204,19 @@ def build_app(bench: Any, drafter: str = "auto", start_notice: str = "",
                                            get_default_first=nothing_installed,
                                            start_timer=timer)
             with gr.Tab("Bench", id="bench", elem_id="tab-bench"):
-                build_bench_tab(bench)
+                bench_tab = build_bench_tab(bench)
         for change in changes:
             change.then(chat.drafter_info, None, chat.drafter_control, queue=False)
+            bench_tab.follow(change.then)  # the Bench tab shows the pair now loaded
 
         def tick() -> tuple:
             still = bench.start is not None and bench.start.loading
             return model_bar(bench), gr.Timer(active=still)
 
-        timer.tick(tick, None, [bar, timer], queue=False).then(
-            chat.drafter_info, None, chat.drafter_control, queue=False)
+        ticked = timer.tick(tick, None, [bar, timer], queue=False)
+        ticked.then(chat.drafter_info, None, chat.drafter_control, queue=False)
+        bench_tab.follow(ticked.then)  # the pair the start load brought
         demo.load(lambda: model_bar(bench), None, bar, queue=False)
+        bench_tab.follow(demo.load)  # a page opened after a switch: built values are stale
         demo.unload(chat.stop)  # a closed tab stops its generation after the current step
     return demo

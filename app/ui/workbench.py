@@ -1,7 +1,9 @@
 """What the app has loaded: one target, an optional draft model, and one engine for the target.
 
 Knows: how the drafter control's value maps to a drafter (built once per kind by the factory
-in app/drafters), that chat and race share the target's one engine and so its KV cache
+in app/drafters), whether a kind can run on the loaded models and why not (`resolve`: the
+head the pair ships and its kind, a draft model, the target's own MTP layers, what the
+backend's target gives), that chat and race share the target's one engine and so its KV cache
 whatever drafter they use (the race's plain lane has an engine of its own, since both lanes
 run at once), which browser session may cancel which generation, and that one generation at
 a time runs per target (the `busy` lock, next to the Gradio queue's limit).
@@ -49,6 +51,8 @@ class Workbench:
         self.target: Any = None
         self.draft: Any = None
         self.head: str | None = None  # a head drafter's folder (EAGLE, DFlash, Medusa)
+        self.head_kind: str | None = None  # its kind, where known (the pair's, the folder's)
+        self.mtp_layers = 0  # the target's own MTP layers (read from its config at load)
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
@@ -110,7 +114,8 @@ class Workbench:
             if model is not None:
                 warm_up(model)
         self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
-        self.head = head
+        self.head, self.head_kind = head, _head_kind(head, auto_kind)
+        self.mtp_layers = _mtp_layers(target_path)
 
     def attach_remote(self, engine: Any) -> None:
         """Chat through an OpenAI-compatible server instead of a local model."""
@@ -119,7 +124,8 @@ class Workbench:
         self.label = f"{engine.kind} at {engine.base_url}"
 
     def unload(self) -> None:
-        self.target = self.draft = self.backend = self.head = None
+        self.target = self.draft = self.backend = self.head = self.head_kind = None
+        self.mtp_layers = 0
         self._engines, self._drafters = {}, {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
@@ -145,7 +151,38 @@ class Workbench:
         if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
             raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
                                 "model in the Models tab, or start with --draft PATH")
+        problem = self._not_here(kind, base)
+        if problem:
+            raise SpecdeckError(problem)
         return Choice(kind, "plain decoding" if kind == "none" else f"chosen: {kind}")
+
+    def why_not(self, kind: str) -> str:
+        """Why kind cannot run on the loaded models, or '' when it can (resolve's refusal)."""
+        try:
+            self.resolve(kind)
+        except SpecdeckError as error:
+            return str(error)
+        return ""
+
+    def _not_here(self, kind: str, base: str) -> str:
+        """What of the loaded pair and backend rules kind out, or '' (after resolve's checks
+        of the control's value)."""
+        own = base.removeprefix(drafters.LOOKUP_FIRST)
+        if base in drafters.HEADS and self.head_kind not in (None, own):
+            return (f"drafter {kind!r} needs a {own} head, and this pair's head is "
+                    f"{self.head_kind}: pick {self.head_kind}")
+        if base in drafters.NATIVE and self.mtp_layers == 0:
+            return (f"drafter {kind!r} needs MTP layers in the target's own checkpoint, and "
+                    f"{getattr(self.target, 'name', 'this target')} has none")
+        backend = getattr(self.backend, "name", None)
+        if base in drafters.TORCH_ONLY and backend == "mlx":
+            return f"drafter {kind!r} runs on the torch backend only (mlx runs eagle3 and eagle)"
+        capabilities = getattr(self.target, "capabilities", None)
+        if (base in drafters.READS_HIDDEN_STATES and capabilities is not None
+                and not capabilities.hidden_states):
+            return (f"drafter {kind!r} reads the target's hidden states, which the "
+                    f"{backend or 'loaded'} backend does not give: load the pair on torch")
+        return ""
 
     def engine(self, kind: str, k: int | str, lane: str = "chat") -> tuple[Bound, Choice]:
         """The target's engine bound to a drafter kind and k (a number, or "auto": chosen per
@@ -243,6 +280,26 @@ def warm_up(model: Any) -> None:
     ids = list(model.tokenizer.encode("Hello, this warms the model up."))[:8]
     if ids:
         model.start().forward(ids, n_logits=1)
+
+
+def _head_kind(head: str | None, auto_kind: Choice | None) -> str | None:
+    """The kind of a loaded head: the pair's (models.yaml), else an EAGLE folder's own."""
+    if head is None:
+        return None
+    if auto_kind is not None and auto_kind.kind in drafters.HEADS:
+        return auto_kind.kind.removeprefix(drafters.LOOKUP_FIRST)
+    from backends.torch.heads.eagle_format import head_kind
+    return head_kind(head)
+
+
+def _mtp_layers(target_path: str) -> int:
+    """The target's own MTP layers, from its config (0 when the planner cannot read it)."""
+    from app.catalogue import planner
+
+    try:
+        return planner.describe(target_path).arch.mtp_layers
+    except Exception:  # noqa: BLE001 - an unread header offers no mtp; the load stands
+        return 0
 
 
 def _is_head(path: str) -> bool:

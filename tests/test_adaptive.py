@@ -265,3 +265,26 @@ def test_a_speculating_controller_retimes_plain_ever_more_rarely_while_it_agrees
             plain.append(step)
         controller.observe(k, k, 0.0, FLAT[k + 1], 0.0)
     assert plain == [7, 23, 55, 87, 119]  # gaps of 8, 16, 32, then capped at 32
+
+
+def test_a_draft_that_promises_less_than_the_margin_over_plain_is_not_chosen():
+    # one-row verify 0.10 s, two rows 0.11 s, a draft token 0.03 s: k=1 at 50% acceptance
+    # commits 1.5 tokens in 0.14 s, 1.07x plain: enough over a 5% margin, not over 10%
+    costs = {1: 0.10, 2: 0.11, 3: 0.12}
+    near = KController(k_max=2, prior_weight=1e-9, decay=1.0)
+    near.seed_costs(costs)
+    feed(near, 40, n_drafted=1, n_accepted=0, draft_s=0.03)
+    feed(near, 40, n_drafted=1, n_accepted=1, draft_s=0.03)
+    assert near.choose() == 1
+    strict = KController(k_max=2, prior_weight=1e-9, decay=1.0, pay_margin=0.10)
+    strict.seed_costs(costs)
+    feed(strict, 40, n_drafted=1, n_accepted=0, draft_s=0.03)
+    feed(strict, 40, n_drafted=1, n_accepted=1, draft_s=0.03)
+    assert strict.choose() == 0
+
+
+def test_a_drafters_catch_up_read_never_enters_the_per_step_overhead():
+    controller = KController(k_max=4)
+    controller.seed_costs(FLAT)
+    controller.observe(2, 1, 0.02, 0.10, 0.001, source="draft", catch_up_s=0.5)
+    assert controller.overhead_s == 0.001

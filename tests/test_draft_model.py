@@ -72,9 +72,18 @@ def test_an_int8_drafter_keeps_the_output_and_still_agrees_often(tmp_path, targe
     assert done.stats.acceptance_rate > 0.5
 
 
+def test_the_prompt_is_read_when_the_drafter_first_drafts_not_when_a_reply_begins(target):
+    drafter = DraftModelDrafter(target, target)
+    drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
+    assert drafter._session.length == 0  # a reply that never drafts never pays for it
+    assert drafter.propose(PROMPT, 2).catch_up_s > 0.0
+    assert drafter.propose(PROMPT, 2).catch_up_s == 0.0
+
+
 def test_context_missed_while_speculation_was_off_is_read_as_catch_up(target):
     drafter = DraftModelDrafter(target, target)
     drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
+    drafter.propose(PROMPT, 2)
     assert drafter.propose(PROMPT, 2).catch_up_s == 0.0
     later = PROMPT + [3, 4, 5, 6, 7, 8]  # six tokens decoded by steps that did not draft
     resumed = drafter.propose(later, 2)

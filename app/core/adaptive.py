@@ -44,6 +44,11 @@ class KController:
     new_text_gap: int = 64  # a new generation waits at most this long to explore
     plain_every: int = 32  # steps on before a plain step re-times the one-row cost
     retime_tolerance: float = 0.2  # a re-timing within this of the estimate agrees with it
+    # drafting must promise this much more than plain to be chosen: near break-even the
+    # estimates' error decides the sign, and a loss is what the user sees (the default pair's
+    # chain on chat prompts, about 50% acceptance at 0.35 of a target step per draft token,
+    # sat at 0.95-1.04x)
+    pay_margin: float = 0.05
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
     # seconds per drafted token (EMA) for each drafter that proposed (a chain's members each
     # have their own): a free lookup must not make model drafting look free
@@ -146,6 +151,8 @@ class KController:
             return 1
         rates = [self.expected_tokens(k) / self.step_seconds(k) for k in range(self.k_max + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
+        if rates[best] < rates[0] * (1 + self.pay_margin):
+            best = 0
         if best == 0:
             self._since_plain = 0
             self._steps_off += 1
@@ -167,12 +174,16 @@ class KController:
         return best
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
-                other_s: float, source: str = "", rows: int | None = None) -> None:
+                other_s: float, source: str = "", rows: int | None = None,
+                catch_up_s: float = 0.0) -> None:
         """Fold one step's outcome and timings into the estimates.
 
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
         a tree (n_drafted is then its depth and n_accepted its accepted path), else
-        n_drafted + 1.
+        n_drafted + 1. catch_up_s: what the drafter spent reading context it had missed (the
+        prompt, or the tokens of a plain stretch): charged to the exploration that paid it,
+        never to the per-step overhead, where a one-off read made every step look dearer and
+        so drafting relatively cheaper.
         """
         rows = rows or n_drafted + 1
         # kept as rows beyond depth + 1: a chain's stay exactly 0, so its k is priced at
@@ -194,7 +205,8 @@ class KController:
             # was off and turned it back on (an EAGLE-3 head at 13% acceptance: 0.94x plain)
             self._age(self.decay ** (1 + self._idle / self.explore_every))
             self._idle = 0
-            if self._exploring and self._paid(n_accepted, draft_s + verify_s + other_s):
+            if self._exploring and self._paid(n_accepted,
+                                              draft_s + verify_s + other_s + catch_up_s):
                 self._off_gap = 0  # look again soon rather than after the longest gap
         else:
             self._idle += 1

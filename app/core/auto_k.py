@@ -76,12 +76,12 @@ class AutoK:
         return Draft()
 
     def observe(self, depth: int, n_accepted: int, draft_s: float, verify_s: float,
-                other_s: float, source: str, rows: int) -> None:
+                other_s: float, source: str, rows: int, catch_up_s: float = 0.0) -> None:
         """The step's outcome, to the controller that drafted it, or else (a plain step) to
         every controller that chose this step."""
         if self._drafting is not None:
             self._drafting.observe(depth, n_accepted, draft_s, verify_s, other_s,
-                                   source=source, rows=rows)
+                                   source=source, rows=rows, catch_up_s=catch_up_s)
             return
         for controller in self._asked:
             controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1)

@@ -332,10 +332,16 @@ class SpecEngine:
         if call.auto is not None:
             # the stop rules and text after t3 are this step's overhead
             call.auto.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
-                              time.perf_counter() - t3 + draft.catch_up_s,
-                              source=draft.source, rows=len(draft.tokens) + 1)
+                              time.perf_counter() - t3, source=draft.source,
+                              rows=len(draft.tokens) + 1, catch_up_s=draft.catch_up_s)
         return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
                            n_drafted=len(draft.tokens), reason=reason)
+
+    def warm_up(self) -> None:
+        """Time the verify cost curve now, at load, rather than inside the first request that
+        asks for k="auto": 19 forwards took seconds of a 128-token reply on 2 cores."""
+        token = min(self.target.eos_token_ids, default=0)
+        self._probe_verify_costs(token, self.k_max_default)
 
     def _probe_verify_costs(self, token: int, k_max: int) -> dict[int, float]:
         """Time forwards over 1..k_max+1 tokens once per engine, so the first steps choose k

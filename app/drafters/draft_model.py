@@ -68,8 +68,9 @@ class DraftModelDrafter:
             self.model.restrict_vocab(sorted(i for i in keep if i < self._vocab))
         if self._start >= len(prompt_ids) or len(prompt_ids) - self._start > 2 * DRAFT_CONTEXT:
             self._start = max(0, len(prompt_ids) - DRAFT_CONTEXT)
-        # read the prompt now (the engine times it as prefill), so drafting starts warm
-        self._catch_up(self._align(prompt_ids[self._start:], keep_one=False))
+        # the prompt is read when this drafter first drafts (as catch-up), not now: a reply
+        # whose k controller keeps the model off never pays for it (a chat prompt cost the
+        # 0.5B Qwen 0.2 s of every request, read and never drafted from)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
@@ -94,14 +95,10 @@ class DraftModelDrafter:
         # nothing to do now: the next propose aligns the cache with the committed context
         return None
 
-    def _align(self, context: Sequence[int], keep_one: bool = True) -> list[int]:
-        """Rewind the cache to what it shares with the context; return the tokens to feed.
-
-        keep_one leaves at least the last token to feed: drafting needs its logits row.
-        """
-        reuse = common_prefix_length(self._session.tokens, context)
-        if keep_one:
-            reuse = min(reuse, len(context) - 1)
+    def _align(self, context: Sequence[int]) -> list[int]:
+        """Rewind the cache to what it shares with the context; return the tokens to feed
+        (at least the last: drafting needs its logits row)."""
+        reuse = min(common_prefix_length(self._session.tokens, context), len(context) - 1)
         self._session.rewind(reuse)
         return list(context[reuse:])
 

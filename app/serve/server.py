@@ -671,6 +671,7 @@ def _serve(args: argparse.Namespace) -> int:
     listener = listen_socket(args.host, args.port)  # before the model: a taken port fails fast
     loaded = load_engine(args)
     engine = loaded.engine
+    engine.warm_up()  # the first request does not pay for timing the verify costs
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=request_k_default(args.k),
@@ -772,6 +773,7 @@ def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
     flags = argparse.Namespace(**{**vars(args), "target": pair_id,
                                   "drafter": args.drafter})
     loaded = load_engine(flags)
+    loaded.engine.warm_up()
     for note in loaded.notes:
         print(f"specdeck: {pair_id}: {note}", file=sys.stderr)
     return Served(engine=loaded.engine, model_id=pair_id, drafter_name=loaded.drafter_name,

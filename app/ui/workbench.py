@@ -114,6 +114,9 @@ class Workbench:
             if model is not None:
                 warm_up(model)
         self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
+        # the chat lane's verify costs are timed now, not inside the first message (k auto)
+        self._engines["chat"] = self._new_engine("chat")
+        self._engines["chat"].warm_up()
         self.head, self.head_kind = head, _head_kind(head, auto_kind)
         self.mtp_layers = _mtp_layers(target_path)
 

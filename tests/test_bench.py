@@ -336,3 +336,19 @@ def test_bench_module_does_not_import_torch():
     # app/ stays array-library free; HF's reference is imported only under --compare-hf
     code = "import sys, app.bench.run; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_bench_by_default_runs_the_planners_choice_against_plain_and_says_why(
+        tiny_folder, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", word_prompts(1))
+    out = tmp_path / "report.json"
+    code = main(["bench", "--target", str(tiny_folder), "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--json", str(out)])
+    assert code == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    # a bare folder has no draft model or head: the planner picks prompt lookup, k per step
+    assert set(summary["results"]) == {"plain", "auto:ngram k=auto"}
+    report = json.loads(out.read_text())
+    assert report["settings"]["auto"][0].startswith("drafter: ngram")
+    assert "auto: drafter: ngram" in captured.err

@@ -50,12 +50,14 @@ class DraftModelDrafter:
         # an unsure draft token is likely rejected and would waste the rest of the chain
         self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
-        # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
-        self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
         self._always = {*target.eos_token_ids, *draft.eos_token_ids}
-        if draft is not target and hasattr(draft, "lighten_head"):
-            draft.lighten_head()  # a model of its own: its logits only propose
         self._session = draft.start(exact=False)
+        # the output-layer views below are the session's own: the model object stays as it
+        # is for the target and other drafters that share it
+        if draft is not target and hasattr(self._session, "lighten_head"):
+            self._session.lighten_head()  # a model of its own: its logits only propose
+        # 0 = full vocabulary; sessions without restrict_vocab (MLX) draft from all of it
+        self.vocab_limit = vocab_limit if hasattr(self._session, "restrict_vocab") else 0
         self._start = 0  # where the drafter's window begins in the context
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
@@ -65,7 +67,7 @@ class DraftModelDrafter:
         self._params, self._rng = params, rng
         if 0 < self.vocab_limit < self._vocab // 2:
             keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
-            self.model.restrict_vocab(sorted(i for i in keep if i < self._vocab))
+            self._session.restrict_vocab(sorted(i for i in keep if i < self._vocab))
         if self._start >= len(prompt_ids) or len(prompt_ids) - self._start > 2 * DRAFT_CONTEXT:
             self._start = max(0, len(prompt_ids) - DRAFT_CONTEXT)
         # read the prompt now (the engine times it as prefill), so drafting starts warm

@@ -1,6 +1,7 @@
 """DraftModelDrafter: a small model of the target's family drafts k tokens, on any backend.
 
-Knows: the Session protocol (forward, rewind, tokens), the shared sampling pipeline, the
+Knows: the Session protocol (forward, rewind, tokens; where a session has them, its own
+output-layer views restrict_vocab and lighten_head), the shared sampling pipeline, the
 vocabulary check. Must not know: array libraries (a backend may subclass it to keep its greedy
 chain on the device, as MLX does), the target's cache, prompt lookup (a ChainDrafter puts
 lookup in front of it). The drafter's cache follows the context by common prefix, so one rule

@@ -11,6 +11,7 @@ loading, dtypes, quantizing (backend.py), drafting or verification rules (app/).
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -64,7 +65,7 @@ class Block:
     n_logits: int  # logits of the last rows, padding rows included
 
 
-class TorchSession:
+class TorchSession(ABC):
     """The rules both cache strategies share: token ids, verify blocks, padding, capture
     bookkeeping and the session's own output layer.
 
@@ -83,8 +84,8 @@ class TorchSession:
         self._subset: SubsetHead | None = None
 
     @property
-    def length(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def length(self) -> int: ...
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -166,10 +167,10 @@ class TorchSession:
             self._crop(self.length - pad)
         return logits[:keep], {i: out[:len(rows)] for i, out in hidden.items()}
 
+    @abstractmethod
     def _run(self, block: Block, want: frozenset[int]) -> tuple[torch.Tensor, Hidden]:
         """Append the block's rows to the cache: logits [n_logits, vocab], the wanted layers'
         outputs for every row."""
-        raise NotImplementedError
 
     def keep(self, length: int, rows: Sequence[int]) -> None:
         rows = list(rows)
@@ -179,9 +180,9 @@ class TorchSession:
         self._select(length, rows)
         self._ids[length:] = [self._ids[length + r] for r in rows]
 
+    @abstractmethod
     def _select(self, length: int, rows: list[int]) -> None:
         """Keep the first `length` cached tokens, then those at length + r for r in rows."""
-        raise NotImplementedError
 
     def rewind(self, length: int) -> None:
         if length < 0 or length > self.length:
@@ -189,8 +190,9 @@ class TorchSession:
         self._crop(length)
         del self._ids[length:]
 
+    @abstractmethod
     def _crop(self, length: int) -> None:
-        raise NotImplementedError
+        """Cut the cache (not the ids) to at most `length` tokens."""
 
 
 class LeanSession(TorchSession):

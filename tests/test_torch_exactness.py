@@ -122,10 +122,13 @@ def test_a_drafter_on_part_of_the_vocabulary_proposes_only_from_it_and_keeps_the
     done = list(SpecEngine(target, drafter, k=4).generate(PROMPT, params))[-1]
     assert done.token_ids == plain.token_ids
     allowed = {*range(8), *PROMPT, *target.eos_token_ids}
-    logits = draft.start(exact=False).forward(PROMPT, n_logits=1).host_logits()[0]
+    session = drafter._session
+    session.rewind(0)
+    logits = session.forward(PROMPT, n_logits=1).host_logits()[0]
     assert {int(i) for i in (logits > float("-inf")).nonzero()[0]} == allowed
-    draft.restrict_vocab(None)
-    assert (draft.start(exact=False).forward(PROMPT, n_logits=1).host_logits() > -1e30).all()
+    session.restrict_vocab(None)
+    session.rewind(0)
+    assert (session.forward(PROMPT, n_logits=1).host_logits() > -1e30).all()
 
 
 @pytest.mark.skipif(not _cpu_has_vnni(), reason="only CPUs with VNNI promise exact int8 sums")

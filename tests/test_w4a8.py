@@ -110,8 +110,8 @@ def test_a_w4a8_draft_model_drafts_from_a_4_bit_output_layer_and_the_output_stay
     plain = list(SpecEngine(target).generate(prompt, params))[-1]
     for vocab_limit in (0, 16):  # 16: rows of the 8-bit layer the 4-bit one was made from
         drafter = DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-        assert isinstance(draft.hf.get_output_embeddings(), w4a8.W4A8Linear)
+        assert isinstance(drafter._session.head, w4a8.W4A8Linear)
+        assert isinstance(draft.hf.get_output_embeddings(), W8A8Linear)  # the model keeps its own
         done = list(SpecEngine(target, drafter, k=3).generate(prompt, params))[-1]
         assert done.token_ids == plain.token_ids and done.stats.accepted > 0
-    DraftModelDrafter(target, target)  # the target drafting for itself keeps its 8 bits
-    assert isinstance(target.hf.get_output_embeddings(), W8A8Linear)
+    assert DraftModelDrafter(target, target)._session.head is None  # drafting for itself: 8 bits

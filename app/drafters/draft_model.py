@@ -1,6 +1,7 @@
 """DraftModelDrafter: a small model of the target's family drafts k tokens, on any backend.
 
-Knows: the Session protocol (forward, rewind, tokens), the shared sampling pipeline, the
+Knows: the Session protocol (forward, rewind, tokens; where a session has them, its own
+output-layer views restrict_vocab and lighten_head), the shared sampling pipeline, the
 vocabulary check. Must not know: array libraries (a backend may subclass it to keep its greedy
 chain on the device, as MLX does), the target's cache, prompt lookup (a ChainDrafter puts
 lookup in front of it). The drafter's cache follows the context by common prefix, so one rule
@@ -50,12 +51,14 @@ class DraftModelDrafter:
         # an unsure draft token is likely rejected and would waste the rest of the chain
         self.min_confidence = min_confidence
         self._vocab = min(target.vocab_size, draft.vocab_size)  # padded rows are never drafted
-        # 0 = full vocabulary; backends without restrict_vocab (MLX) always draft from all of it
-        self.vocab_limit = vocab_limit if hasattr(draft, "restrict_vocab") else 0
         self._always = {*target.eos_token_ids, *draft.eos_token_ids}
-        if draft is not target and hasattr(draft, "lighten_head"):
-            draft.lighten_head()  # a model of its own: its logits only propose
         self._session = draft.start(exact=False)
+        # the output-layer views below are the session's own: the model object stays as it
+        # is for the target and other drafters that share it
+        if draft is not target and hasattr(self._session, "lighten_head"):
+            self._session.lighten_head()  # a model of its own: its logits only propose
+        # 0 = full vocabulary; sessions without restrict_vocab (MLX) draft from all of it
+        self.vocab_limit = vocab_limit if hasattr(self._session, "restrict_vocab") else 0
         self._start = 0  # where the drafter's window begins in the context
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
@@ -65,7 +68,7 @@ class DraftModelDrafter:
         self._params, self._rng = params, rng
         if 0 < self.vocab_limit < self._vocab // 2:
             keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
-            self.model.restrict_vocab(sorted(i for i in keep if i < self._vocab))
+            self._session.restrict_vocab(sorted(i for i in keep if i < self._vocab))
         if self._start >= len(prompt_ids) or len(prompt_ids) - self._start > 2 * DRAFT_CONTEXT:
             self._start = max(0, len(prompt_ids) - DRAFT_CONTEXT)
         # the prompt is read when this drafter first drafts (as catch-up), not now: a reply

@@ -1,12 +1,15 @@
-"""PyTorch + transformers adapter: load a target, run forwards on a DynamicCache, rewind it.
+"""PyTorch + transformers adapter: load a model, choose its sessions' cache strategy, build
+the torch drafters.
 
 Knows: transformers' AutoModelForCausalLM (a .gguf loads through the safetensors folder
-backends/gguf.py keeps next to it), devices and dtypes, layer hooks for hidden-state capture.
-Must not know: drafting or verification rules (app/), the catalogue of pairs.
+backends/gguf.py keeps next to it), devices and dtypes, quantizing at load, which session
+(session.py) a model's forwards run in. Must not know: drafting or verification rules (app/),
+the catalogue of pairs, how a session splits, pads or captures a forward.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import resource
 from collections.abc import Sequence
@@ -14,34 +17,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
+from app.core.protocols import Capabilities, collect_eos_ids
 from app.core.types import SpecdeckError
 from backends.cpu import cpu_has_native_bf16
 from backends.gguf import hf_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
 from backends.torch import w4a8
-from backends.torch.decoder import (
-    LeanDecoder,
-    chain_keys,
-    lean_reason,
-    tree_keys,
-    tree_positions,
-)
+from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
+from backends.torch.output_heads import light_head
 from backends.torch.quant import (
     Int4Linear,
-    Int8Linear,
     W8A8Linear,
     int4_is_available,
     int4_is_exact,
     w8a8_is_exact,
 )
 from backends.torch.quantize import quantize_linears
+from backends.torch.session import MAX_VERIFY_ROWS, HfSession, LeanSession, TorchSession
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
 # too (per token), on oneDNN's kernels (CPU only); int4: 4-bit weights in groups of 32 with
@@ -67,9 +65,6 @@ INT4_BITS = 5.0
 # tokens, 2-core Xeon): plain end to end 0.89x llama.cpp's in int4 (its prompt on the 8-bit
 # copy), 0.76x in w8a8; a 1-token forward 97 ms against 133 ms
 AUTO_INT4 = True
-# forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
-# prefills, computed alike in plain and speculative decoding
-MAX_VERIFY_ROWS = torch_attention.MAX_ROWWISE_ROWS
 
 
 def resolve_device(device: str) -> str:
@@ -137,184 +132,6 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
                  "matmul is exact on this CPU"
 
 
-class TorchSession:
-    """One DynamicCache; forward appends (a chain or a tree), keep/rewind cut it back.
-
-    Exact sessions (the target's) split a verify forward into blocks of `model.row_block`
-    rows, the sizes whose matmuls the load-time check found to give each row the bits it gets
-    alone, and pad a block to `min_rows`; attention is row-wise (backends/torch/attention.py).
-    """
-
-    def __init__(self, model: TorchModel, capture_layers: Sequence[int], exact: bool) -> None:
-        self._model = model
-        self.exact = exact
-        self.min_rows = model.min_rows if exact else 1
-        self._lean = model.lean
-        self._static = (self._lean.new_cache(model.context_length) if self._lean is not None
-                        else None)
-        self._cache = DynamicCache(config=model.hf.config) if self._static is None else None
-        self._ids: list[int] = []
-        self._capture = tuple(capture_layers)  # captured on every forward
-        self._want: frozenset[int] = frozenset()
-        self._captured: dict[int, list[torch.Tensor]] = {}
-        self._hooked: set[int] = set()
-
-    @property
-    def length(self) -> int:
-        if self._static is not None:
-            return self._static.length
-        return self._cache.get_seq_length()
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self._ids)
-
-    def forward(self, token_ids: Sequence[int], n_logits: int = 1,
-                parents: Sequence[int] | None = None,
-                capture: Sequence[int] = ()) -> TargetOutput:
-        real = [int(t) for t in token_ids]
-        tree = _tree_rows(parents, len(real))
-        if tree is not None and not self._model.capabilities.tree_attention:
-            raise SpecdeckError(f"{self._model.name} cannot verify trees: "
-                                f"{self._model.capabilities.reason}")
-        self._arm(capture)
-        base = self.length
-        verify = len(real) <= MAX_VERIFY_ROWS
-        block = self._model.row_block if self.exact and verify else len(real)
-        first_logit = len(real) - n_logits
-        parts = []
-        try:
-            for start in range(0, len(real), block):
-                end = min(start + block, len(real))
-                parts.append(self._block(real, start, end, base, tree, first_logit))
-        finally:
-            self._want = frozenset()
-        self._ids.extend(real)
-        logits = torch.cat([p for p in parts if p.shape[0]])  # [n_logits, vocab]
-        hidden = {i: torch.cat(h)[:len(real)] for i, h in self._captured.items()}
-        self._captured = {}
-        argmax = tuple(logits.argmax(dim=-1).tolist())
-        return TargetOutput(argmax=argmax, logits_fn=lambda: logits.float().cpu().numpy(),
-                            hidden_states=hidden)
-
-    def _block(self, real: list[int], start: int, end: int, base: int,
-               tree: tuple[int, ...] | None, first_logit: int) -> torch.Tensor:
-        """Rows start..end of a forward; the logits of those among the last n_logits."""
-        rows = real[start:end]
-        # padding rows sit after the real ones: causal attention keeps them invisible
-        pad = max(self.min_rows - len(rows), 0)
-        keep = max(end - max(start, first_logit), 0)
-        if self._static is not None:
-            return self._lean_block(rows, pad, keep, base, start, end, tree)
-        ids = torch.tensor([rows + rows[-1:] * pad], dtype=torch.long, device=self._model.device)
-        extra = {} if tree is None else _tree_inputs(tree, base, start, end, pad,
-                                                      self._model.device)
-        with torch.inference_mode():
-            out = self._model.hf(input_ids=ids, use_cache=True, logits_to_keep=keep + pad,
-                                 **extra, **{self._model.cache_kwarg: self._cache})
-        if pad:
-            self._crop(self.length - pad)
-            for layer in self._captured:
-                self._captured[layer][-1] = self._captured[layer][-1][:len(rows)]
-        return out.logits[0, :keep]
-
-    def _lean_block(self, rows: list[int], pad: int, keep: int, base: int, start: int,
-                    end: int, tree: tuple[int, ...] | None) -> torch.Tensor:
-        """_block on the model's LeanDecoder: the same rows, keys and positions."""
-        first, n = self.length, len(rows) + pad
-        if tree is None:
-            positions, keys = list(range(first, first + n)), chain_keys(first, n)
-        else:
-            positions = tree_positions(tree, base, start, end, pad)
-            keys = tree_keys(tree, base, start, end, pad)
-        logits, hidden = self._lean.forward(self._static, rows + rows[-1:] * pad, positions,
-                                            keys, keep + pad, self._want)
-        self._static.length -= pad
-        for layer, rows_out in hidden.items():
-            self._captured[layer].append(rows_out[:len(rows)])
-        return logits[:keep]
-
-    def keep(self, length: int, rows: Sequence[int]) -> None:
-        rows = list(rows)
-        if rows == list(range(len(rows))):
-            self.rewind(length + len(rows))
-            return
-        if self._static is not None:
-            self._static.select(length, [length + r for r in rows])
-            self._ids[length:] = [self._ids[length + r] for r in rows]
-            return
-        index = torch.tensor([*range(length), *(length + r for r in rows)],
-                             device=self._model.device)
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        self._ids[length:] = [self._ids[length + r] for r in rows]
-
-    def rewind(self, length: int) -> None:
-        if length < 0 or length > self.length:
-            raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
-        self._crop(length)
-        del self._ids[length:]
-
-    def _crop(self, length: int) -> None:
-        if self._static is not None:
-            self._static.length = min(self._static.length, length)
-            return
-        # per layer: a forward interrupted by an exception can leave layers of unequal length
-        for layer in self._cache.layers:
-            extra = layer.get_seq_length() - length
-            if extra > 0:
-                layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
-
-    def _arm(self, capture: Sequence[int]) -> None:
-        """Capture these layers (and the session's own) during the next forward."""
-        want = frozenset((*self._capture, *capture))
-        bad = [i for i in want if not 0 <= i < self._model.n_layers]
-        if bad:
-            raise SpecdeckError(f"{self._model.name} has {self._model.n_layers} layers; "
-                                f"cannot capture {sorted(bad)}")
-        for layer in want - self._hooked:
-            if self._static is None:  # the lean forward hands its layers' outputs over itself
-                self._model.layers[layer].register_forward_hook(self._hook(layer))
-            self._hooked.add(layer)
-        self._want = want
-        self._captured = {i: [] for i in want}
-
-    def _hook(self, layer: int) -> Any:
-        def keep(_module: Any, _inputs: Any, output: Any) -> None:
-            if layer in self._want:
-                self._captured[layer].append((output[0] if isinstance(output, tuple)
-                                              else output)[0])  # [rows, hidden]
-        return keep
-
-
-def _tree_rows(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
-    """parents as a tuple when they describe a tree, None for a chain (or no parents)."""
-    if parents is None:
-        return None
-    parents = tuple(int(p) for p in parents)
-    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
-        raise ValueError(f"parents must precede their rows: {parents}")
-    if parents == tuple(range(-1, n - 1)):
-        return None
-    if n > MAX_VERIFY_ROWS:
-        raise SpecdeckError(f"a tree of {n} rows is over the {MAX_VERIFY_ROWS} a verify takes")
-    return parents
-
-
-def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad: int,
-                 device: str) -> dict[str, torch.Tensor]:
-    """position_ids (cache length + depth) and a boolean [1, 1, rows, keys] ancestor mask for
-    rows start..end of a tree forward whose first row sits at `base` in the cache."""
-    mask = torch.zeros((1, 1, end - start + pad, base + end + pad), dtype=torch.bool,
-                       device=device)
-    # the slots the lean forward attends to; padding rows see the prefix and themselves
-    for row, seen in enumerate(tree_keys(parents, base, start, end, pad)):
-        mask[0, 0, row, seen] = True
-    positions = tree_positions(parents, base, start, end, pad)
-    return {"position_ids": torch.tensor([positions], device=device), "attention_mask": mask}
-
-
 class TorchModel:
     """A loaded transformers causal LM and its tokenizer."""
 
@@ -338,7 +155,6 @@ class TorchModel:
         low_precision = hf.dtype in (torch.bfloat16, torch.float16)
         self.min_rows = BATCH_INVARIANT_ROWS if device == "cpu" and low_precision else 1
         self.row_block = MAX_VERIFY_ROWS  # verify rows per forward; set by check_exactness
-        self._full_head: Any = None  # kept while restrict_vocab swaps in a SubsetHead
         self.source: Path | None = None  # the folder it was loaded from, when it was
         # CPU sessions run the lean forward where it computes this model (decoder.py)
         self.lean = LeanDecoder(hf) if device == "cpu" and lean_reason(hf) is None else None
@@ -367,44 +183,25 @@ class TorchModel:
         bad = [i for i in capture_layers if not 0 <= i < self.n_layers]
         if bad:
             raise SpecdeckError(f"{self.name} has {self.n_layers} layers; cannot capture {bad}")
-        return TorchSession(self, capture_layers, exact)
+        if self.lean is not None:
+            return LeanSession(self, capture_layers, exact)
+        return HfSession(self, capture_layers, exact)
 
-    def restrict_vocab(self, token_ids: Sequence[int] | None) -> None:
-        """Compute logits only for token_ids (others read -inf); None restores the full head.
-
-        For drafters: the output layer is a large share of a small model's weights (136M of
-        the 0.5B Qwen's 494M), and a drafter that never proposes rare tokens loses little.
-        """
-        if self._full_head is None:
-            self._full_head = self.hf.get_output_embeddings()
-        # a lightened head's rows are cut from the 8-bit layer it was made from
-        source = getattr(self._full_head, "eight_bit", self._full_head)
-        head = self._full_head if token_ids is None else SubsetHead(source, token_ids,
-                                                                    self.vocab_size)
-        self.hf.set_output_embeddings(head)
-
-    def lighten_head(self) -> None:
-        """For a model loaded to draft, never a target: its 8-bit output layer becomes 4-bit
-        (w4a8 models). Drafts are proposals the target checks, so their logits need no source
-        precision; the 0.5B Qwen's output layer (136M weights) cost a draft token 17.3 ms
-        with 8 bits and 15.0 ms with 4 (2-core EPYC, interleaved)."""
-        head = self.hf.get_output_embeddings() if self._full_head is None else self._full_head
-        if self.dtype != "w4a8" or not isinstance(head, W8A8Linear) or head.weight_int8 is None:
-            return
-        linear = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-        with torch.no_grad():
-            linear.weight.copy_(head.weight_int8.float() * head.scales[:, None])
-        if not w4a8.W4A8Linear.can_take(linear):
-            return
-        light = w4a8.W4A8Linear.quantize(linear, prefill=False)
-        light.bias, light.float_out, light.eight_bit = head.bias, True, head
-        self._full_head = None
-        self.hf.set_output_embeddings(light)
+    @functools.cached_property
+    def drafting_head(self) -> torch.nn.Module | None:
+        """The 4-bit output layer drafter sessions over this model may compute with (w4a8
+        models; None for others), built on first use and shared by them; the model keeps its
+        own."""
+        return light_head(self.hf.get_output_embeddings(), self.dtype)
 
     def weights_bytes(self) -> int:
         tensors = [*self.hf.parameters(), *self.hf.buffers()]  # int8 weights are buffers
         packed = sum(m.packed_bytes() for m in self.hf.modules()
                      if isinstance(m, (W8A8Linear, Int4Linear, w4a8.W4A8Linear)))
+        # a drafting head, once built (cached_property keeps it in the instance's dict), holds
+        # its packed codes beside the model's layer; its bias is the layer's
+        light = vars(self).get("drafting_head")
+        packed += light.packed_bytes() if light is not None else 0
         return packed + sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
@@ -490,31 +287,6 @@ class TorchBackend:
             # not for a longer-trained one (0.112 either way)
             quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
         return EagleDrafter(target, head, spec, tree=tree, min_confidence=CHAIN_MIN_CONFIDENCE)
-
-
-class SubsetHead(torch.nn.Module):
-    """An output layer over a subset of the vocabulary, scattered into full-width logits."""
-
-    def __init__(self, head: torch.nn.Module, token_ids: Sequence[int], vocab_size: int) -> None:
-        super().__init__()
-        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-        self.register_buffer("ids", ids)
-        self.vocab_size = vocab_size
-        self.sub: torch.nn.Module
-        if isinstance(head, (Int8Linear, W8A8Linear)):
-            self.sub = head.rows(ids)
-        else:
-            self.sub = torch.nn.Linear(head.in_features, len(ids), bias=head.bias is not None,
-                                       device=head.weight.device, dtype=head.weight.dtype)
-            with torch.no_grad():
-                self.sub.weight.copy_(head.weight[ids])
-                if head.bias is not None:
-                    self.sub.bias.copy_(head.bias[ids])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = self.sub(x)
-        full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.ids.to(part.device), part)
 
 
 def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:

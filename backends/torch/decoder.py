@@ -4,7 +4,7 @@ static KV cache, with row-wise attention.
 
 Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral without a
 sliding window), torch ops, the row-wise attention rule of backends/torch/attention.py. Must
-not know: drafting or verification rules, sessions' block splitting and padding (backend.py).
+not know: drafting or verification rules, sessions' block splitting and padding (session.py).
 
 Why: at one row per forward the 1.5B Qwen's int4 decode step spent about 25 of its 95 ms
 outside the matmuls: transformers' per-layer scaffolding (mask and position plumbing, cache
@@ -121,12 +121,13 @@ class LeanDecoder:
 
     @torch.inference_mode()
     def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
-                keys: Sequence[Keys] | None, n_logits: int,
-                capture: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int] = (),
+                head: torch.nn.Module | None = None,
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits [n_logits, vocab] of the last rows and the captured layers' outputs [rows,
         hidden]; the rows' keys and values land in slots cache.length onwards, and
         cache.length advances by the rows. `keys` names each row's visible slots (None: a
-        causal prompt, attended in one call)."""
+        causal prompt, attended in one call); `head` replaces the model's output layer."""
         n, first = len(token_ids), cache.length
         cache.reserve(first + n)
         model = self._hf.model
@@ -144,7 +145,7 @@ class LeanDecoder:
             if index in want:
                 captured[index] = x
         cache.length = first + n
-        head = self._hf.get_output_embeddings()
+        head = self._hf.get_output_embeddings() if head is None else head
         return head(model.norm(x[n - n_logits:])) if n_logits else x[:0], captured
 
     def _attention(self, layer: _Layer, index: int, x: torch.Tensor, cache: StaticKV,

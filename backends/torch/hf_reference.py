@@ -96,7 +96,7 @@ def generate(method: str, target: Any, prompt_ids: Sequence[int], max_new_tokens
 
 
 def _as_hf_ships(models: list[Any]) -> None:
-    """HF's own attention and full output layers, so HF runs as a user would get it."""
+    """HF's own attention, so HF runs as a user would get it (the output layers are the
+    models' own: drafters keep their vocabulary subsets and 4-bit heads in their sessions)."""
     for model in models:
-        model.restrict_vocab(None)
         model.hf.set_attn_implementation("sdpa")

@@ -24,8 +24,8 @@ from app.cli import main
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
-from tests.conftest import tiny_llama
 from tests.test_bench import REPORT_SCHEMA, SUMMARY_SCHEMA
+from tests.tiny import tiny_llama
 
 FAKE = Path(__file__).parent / "fake_llama_server.py"
 

@@ -10,9 +10,9 @@ from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
-from tests.conftest import tiny_llama
 from tests.distributions import assert_follows, two_token_law
 from tests.eagle_heads import LAYOUTS, write_head
+from tests.tiny import tiny_llama
 
 torch = pytest.importorskip("torch")
 
@@ -377,7 +377,7 @@ def test_a_head_under_an_int4_target_drafts_on_8_bit_weights_with_plain_output(h
     """The head keeps 8 bits under an int4 target (4-bit head weights took one SmolLM2-135M
     head's first-draft acceptance from 0.109 to 0.087), and output stays plain decoding's."""
     from backends.torch.quant import Int4Linear, Int8Linear, W8A8Linear
-    from tests.conftest import save_hf_folder
+    from tests.tiny import save_hf_folder
 
     folder = save_hf_folder(tiny_llama(seed=11, vocab=VOCAB, layers=N_LAYERS), tmp_path / "t")
     target = TorchBackend().load(str(folder), device="cpu", dtype="int4")

@@ -25,8 +25,8 @@ from backends.torch.heads.medusa import (  # noqa: E402
     default_choices,
     load_medusa,
 )
-from tests.conftest import tiny_llama  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.tiny import tiny_llama  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "medusa"
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]

@@ -23,9 +23,9 @@ from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from tests.conftest import mlx_twin, tiny_llama  # noqa: E402
 from tests.distributions import assert_follows, two_token_law  # noqa: E402
 from tests.eagle_heads import LAYOUTS, write_head  # noqa: E402
+from tests.tiny import mlx_twin, tiny_llama  # noqa: E402
 
 N_LAYERS = 8  # the default rule's layers 2, 4, 5 differ
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle"

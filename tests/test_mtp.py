@@ -29,8 +29,8 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from backends.torch.heads.mtp import detect_mtp, load_mtp_drafter, read_layout  # noqa: E402
-from tests.conftest import tiny_tokenizer  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.tiny import tiny_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
 HIDDEN = 32

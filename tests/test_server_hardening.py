@@ -30,8 +30,8 @@ from app.serve import prometheus
 from app.serve.admission import Gate
 from app.serve.requests import ApiError, CompletionRequest
 from app.serve.server import DEFAULT_MAX_TOKENS, Served, build_app, sampling
-from tests.conftest import tiny_llama
 from tests.serving import CHAT_TEMPLATE, ROOT, save_tiny_model, serve_process
+from tests.tiny import tiny_llama
 
 PROMPT = "w5 w9 w12 w5 w9"
 LONG = 4000  # tokens a request asks for when it must still be running when the test acts

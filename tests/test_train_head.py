@@ -20,7 +20,7 @@ from backends.torch.train_head import data, loop  # noqa: E402
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
 from backends.torch.train_head.ttt import ttt_logits, ttt_step  # noqa: E402
 from backends.torch.train_head.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
-from tests.conftest import tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 VOCAB = 48
 LAYERS = 8  # so that EAGLE-3's layers 2, N//2 and N-3 differ

@@ -431,7 +431,7 @@ def test_verdict_reports_speedup_from_own_compute():
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    from tests.conftest import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(seed=1), tiny_llama(seed=2)
 

@@ -298,8 +298,7 @@ def test_remote_user_errors_are_one_line_and_exit_2(base_url: str, capsys, args,
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_missing_key_names_the_fix(tmp_path: Path, capsys) -> None:
-    folder = save_tiny_model(tmp_path / "tiny")
+def test_a_missing_key_names_the_fix(folder: Path, tmp_path: Path, capsys) -> None:
     args = ["--target", str(folder), "--drafter", "none", "--api-key", "sesame"]
     with specdeck_serve(args, tmp_path / "serve.log") as url:
         code, _, err = cli(capsys, "generate", "--remote", url, "--prompt", PROMPT,

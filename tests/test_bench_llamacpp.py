@@ -257,6 +257,7 @@ def real_llama_server() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_bench_against_the_real_llama_server_on_smollm2(smollm2_gguf, tmp_path, capsys):
     server = real_llama_server()
     out = tmp_path / "report.json"

@@ -1,7 +1,9 @@
-"""The fast tier stays fast: numpy-only test modules collect without torch."""
+"""The fast tier stays fast: numpy-only test modules collect without torch, and `make check`
+deselects every registered marker (each names a need the edit-test loop goes without)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +27,13 @@ def test_numpy_only_test_modules_collect_without_torch():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_make_check_deselects_every_registered_marker():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = re.search(r"^markers = \[(.*?)^\]", pyproject, re.M | re.S).group(1)
+    markers = re.findall(r'^\s*"(\w+):', block, re.M)
+    assert {"slow", "soak", "browser", "llamacpp", "heavy"} <= set(markers)
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    expression = re.search(r"^CHECK_MARKS := (.*)$", makefile, re.M).group(1)
+    assert expression.split(" and ") == [f"not {m}" for m in markers]

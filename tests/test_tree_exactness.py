@@ -13,6 +13,7 @@ from app.drafters.draft_model import DraftModelDrafter
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.exactness import exact_row_block
 from backends.torch.quant import w8a8_is_exact
+from tests.marks import heavy
 from tests.tiny import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
@@ -20,7 +21,8 @@ BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_native_bf16(), reason="bf16 row invariance is claimed where bf16 is native"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates: specdeck refuses w8a8"))
-DTYPES = ["float32", BF16, "int8", W8A8, "int4", W4A8]
+# `make check` keeps float32 and int8 (runs on every CPU); `make test` sweeps them all
+DTYPES = ["float32", *heavy(BF16), "int8", *heavy(W8A8, "int4", W4A8)]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def same(a, b, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [1, 8, 16, MAX_K])
+@pytest.mark.parametrize("k", [*heavy(1, 8, 16), MAX_K])
 def test_speculative_output_is_plain_output_at_every_k_the_engine_allows(
         load, dtype, k):
     target = load(dtype)

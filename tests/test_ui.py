@@ -827,6 +827,7 @@ def refused_or_served(refusal: str, knobs: dict, served: bool) -> None:
         assert served
 
 
+@pytest.mark.heavy  # a hypothesis fuzz of whole generations
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_p",
                                         "max_new_tokens", "seed", "k"]), ODD_VALUES,

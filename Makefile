@@ -1,4 +1,6 @@
 # specdeck: `make run` sets up and opens the app on the default pair; `make test` runs the tests.
+# `make check`: ruff and the fast tier (no downloaded model, browser, soak, llama.cpp build or
+# long sweep; under 3 minutes on 2 cores) for the edit-test loop.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +9,7 @@ PAIR ?= qwen2.5-coder-1.5b+0.5b
 # elsewhere any torch >= 2.4 does.
 TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
 
-.PHONY: run test lint clean browser soak llamacpp
+.PHONY: run test check lint clean browser soak llamacpp
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +38,13 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.installed-mlx $(VENV)/.installed-llamacpp browser
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra
+
+# the markers of pyproject.toml, each deselected (tests/test_tiers.py holds the two to each
+# other); every test still runs in `make test` and CI
+CHECK_MARKS := not slow and not soak and not browser and not llamacpp and not heavy
+check: $(VENV)/.installed $(VENV)/.installed-mlx
+	$(PY) -m ruff check app backends tests
+	$(PY) -m pytest -q -ra -m "$(CHECK_MARKS)"
 
 # issue 16's soak alone (1,000 requests, 4 clients, random disconnects), with its numbers
 soak: $(VENV)/.installed

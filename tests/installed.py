@@ -18,7 +18,7 @@ REAL_HOME = Path(os.environ.get("SPECDECK_HOME") or Path.home() / ".cache" / "sp
 
 
 def install_tiny(home: Path, model_id: str, seed: int = 1, backend: str = "torch") -> Path:
-    """The conftest tiny model (with a chat template) installed as `model_id` under home."""
+    """The tiny model of tests/tiny.py (with a chat template) installed as `model_id` under home."""
     staged = save_tiny_model(home / "build" / model_id, seed=seed)
     names = sorted(p.name for p in staged.iterdir() if p.is_file())
     with _home(home):

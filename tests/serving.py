@@ -13,8 +13,6 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import tiny_llama
-
 ROOT = Path(__file__).resolve().parent.parent
 # word-level tokenizer: the template must only produce known words
 CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
@@ -22,7 +20,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
 
 
 def save_tiny_model(folder: Path, seed: int = 1, context: int = 4096) -> Path:
-    """The conftest tiny model with a chat template, saved as an HF folder."""
+    """The tiny model of tests/tiny.py with a chat template, saved as an HF folder."""
+    from tests.tiny import tiny_llama  # torch: only where a test saves a model
+
     model = tiny_llama(seed=seed)
     model.hf.config.max_position_embeddings = context  # room for long streams
     model.tokenizer.chat_template = CHAT_TEMPLATE

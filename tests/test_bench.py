@@ -20,7 +20,7 @@ from app.bench.run import BenchPrompt, BenchSettings, first_divergence, summaris
 from app.cli import main
 from app.core.types import SpecdeckError
 from backends.torch.backend import TorchBackend
-from tests.conftest import tiny_llama
+from tests.tiny import tiny_llama
 
 NUMBER = {"type": "number"}
 MAYBE_NUMBER = {"type": ["number", "null"]}

@@ -24,8 +24,8 @@ from app.cli import main
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
-from tests.conftest import tiny_llama
 from tests.test_bench import REPORT_SCHEMA, SUMMARY_SCHEMA
+from tests.tiny import tiny_llama
 
 FAKE = Path(__file__).parent / "fake_llama_server.py"
 
@@ -257,6 +257,7 @@ def real_llama_server() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_bench_against_the_real_llama_server_on_smollm2(smollm2_gguf, tmp_path, capsys):
     server = real_llama_server()
     out = tmp_path / "report.json"

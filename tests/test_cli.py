@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from tests.conftest import tiny_llama
+from tests.tiny import tiny_llama
 
 CONTRACT = {"text", "token_ids", "n_new_tokens", "decode_tok_s", "ttft_s", "target_forwards",
             "drafted", "accepted", "acceptance_rate", "mean_accepted_length",

@@ -13,7 +13,7 @@ from backends.gguf_header import file_type
 from backends.torch import backend as torch_backend
 from backends.torch import w4a8
 from backends.torch.backend import TorchBackend, auto_cpu_dtype
-from tests.conftest import save_hf_folder, tiny_llama
+from tests.tiny import save_hf_folder, tiny_llama
 
 
 def _gguf(path: Path, ftype: int) -> Path:

@@ -19,8 +19,8 @@ from app.cli import main
 from app.core.engine import SpecEngine
 from app.core.types import Done, SamplingParams
 from backends.torch.backend import TorchBackend, TorchModel
-from tests.conftest import tiny_llama
 from tests.test_engine import oracle  # naive greedy: a fresh session every step
+from tests.tiny import tiny_llama
 
 torch = pytest.importorskip("torch")
 

@@ -22,6 +22,7 @@ from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.heads.dflash import default_layer_ids, load_dflash_drafter  # noqa: E402
 from tests.distributions import assert_follows  # noqa: E402
+from tests.marks import heavy  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dflash"
 GOLDEN = json.loads((FIX / "golden.json").read_text())
@@ -63,7 +64,7 @@ def test_each_round_drafts_the_block_the_reference_drafted(target):
     assert drafter.blocks[:20] == GOLDEN["drafts"][:20]  # rounds with whole blocks
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_greedy_dflash_gives_exactly_the_oracles_tokens(target, k):
     prompt = GOLDEN["prompt"]
     plain = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30)))[-1]
@@ -74,6 +75,7 @@ def test_greedy_dflash_gives_exactly_the_oracles_tokens(target, k):
     assert 0 < done.stats.drafted <= min(k, 3) * done.stats.target_forwards  # block 4: k <= 3
 
 
+@pytest.mark.heavy  # 500 sampled generations
 def test_sampled_dflash_commits_tokens_from_the_targets_own_distribution():
     target = TorchBackend().load(str(FIX / "target"), device="cpu", dtype="float32")
     target.eos_token_ids = frozenset()  # every generation runs to its length

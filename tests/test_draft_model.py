@@ -41,7 +41,7 @@ def test_drafter_cache_catches_up_after_full_acceptance(target):
 def test_padded_forwards_match_batched_rows_bit_for_bit_in_bf16():
     import torch
 
-    from tests.conftest import tiny_llama
+    from tests.tiny import tiny_llama
 
     model = tiny_llama(seed=1)
     model.hf.to(torch.bfloat16)
@@ -59,7 +59,7 @@ def test_padded_forwards_match_batched_rows_bit_for_bit_in_bf16():
 
 def test_an_int8_drafter_keeps_the_output_and_still_agrees_often(tmp_path, target):
     from backends.torch.backend import TorchBackend
-    from tests.conftest import save_hf_folder
+    from tests.tiny import save_hf_folder
 
     folder = save_hf_folder(target, tmp_path / "tiny")
     draft = TorchBackend().load(str(folder), device="cpu", dtype="int8")

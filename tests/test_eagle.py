@@ -10,9 +10,10 @@ from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
-from tests.conftest import tiny_llama
 from tests.distributions import assert_follows, two_token_law
 from tests.eagle_heads import LAYOUTS, write_head
+from tests.marks import heavy
+from tests.tiny import tiny_llama
 
 torch = pytest.importorskip("torch")
 
@@ -59,7 +60,7 @@ def test_each_layout_reads_the_layers_its_convention_names(deep_target, heads, l
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_a_head_chain_gives_exactly_plain_greedy_decoding(deep_target, heads, layout, k):
     truth = plain(deep_target, PROMPT, 30)
     engine = SpecEngine(deep_target)
@@ -94,7 +95,7 @@ def test_a_chain_stops_where_the_heads_own_confidence_in_it_falls_below_the_cut(
         assert len(tokens) == 1
 
 
-@pytest.mark.parametrize("k", [2, 7])
+@pytest.mark.parametrize("k", [2, *heavy(7)])
 def test_a_chain_cut_short_by_the_heads_confidence_still_gives_plain_greedy_decoding(
         deep_target, heads, k):
     drafter = build(deep_target, heads["midlayer"], "midlayer")
@@ -106,7 +107,7 @@ def test_a_chain_cut_short_by_the_heads_confidence_still_gives_plain_greedy_deco
 
 
 @pytest.mark.parametrize("layout", ["midlayer", "eagle1"])
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_an_eagle2_tree_gives_exactly_plain_greedy_decoding(deep_target, heads, layout, k):
     truth = plain(deep_target, PROMPT, 30)
     drafter = build(deep_target, heads[layout], layout, tree=True)
@@ -185,6 +186,7 @@ def small_target():
     return model
 
 
+@pytest.mark.heavy  # 900 sampled generations each
 @pytest.mark.parametrize("layout,tree", [("midlayer", False), ("eagle1", False),
                                          ("speculators", True)])
 def test_sampled_speculation_with_a_head_draws_from_the_targets_distribution(
@@ -231,7 +233,7 @@ def test_generate_with_a_head_folder_and_tree_equals_plain_output(deep_target, h
     assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
 
 
-@pytest.mark.parametrize("k", [1, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1), 4, *heavy(7)])
 def test_lookup_then_a_head_gives_exactly_plain_greedy_decoding_and_both_draft(
         deep_target, heads, k):
     prompt = PROMPT * 3  # a repeated prompt: lookup finds matches, the head drafts the rest
@@ -377,7 +379,7 @@ def test_a_head_under_an_int4_target_drafts_on_8_bit_weights_with_plain_output(h
     """The head keeps 8 bits under an int4 target (4-bit head weights took one SmolLM2-135M
     head's first-draft acceptance from 0.109 to 0.087), and output stays plain decoding's."""
     from backends.torch.quant import Int4Linear, Int8Linear, W8A8Linear
-    from tests.conftest import save_hf_folder
+    from tests.tiny import save_hf_folder
 
     folder = save_hf_folder(tiny_llama(seed=11, vocab=VOCAB, layers=N_LAYERS), tmp_path / "t")
     target = TorchBackend().load(str(folder), device="cpu", dtype="int4")

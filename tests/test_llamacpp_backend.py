@@ -19,7 +19,7 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends import load_backend  # noqa: E402
 from backends.llamacpp.backend import MAX_BLOCK  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 

@@ -25,8 +25,9 @@ from backends.torch.heads.medusa import (  # noqa: E402
     default_choices,
     load_medusa,
 )
-from tests.conftest import tiny_llama  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.marks import heavy  # noqa: E402
+from tests.tiny import tiny_llama  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "medusa"
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
@@ -85,7 +86,7 @@ def test_the_drafted_tree_maps_ranks_to_each_heads_tokens_within_depth_k(base):
 
 
 @pytest.mark.parametrize("layers", [1, 2])
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_greedy_medusa_gives_exactly_the_oracles_tokens(base, layers, k):
     plain = list(SpecEngine(base).generate(PROMPT, SamplingParams(max_new_tokens=30)))[-1]
     drafter = build_drafter("medusa", base, backend=TorchBackend(),
@@ -96,6 +97,7 @@ def test_greedy_medusa_gives_exactly_the_oracles_tokens(base, layers, k):
     assert done.stats.drafted > 0
 
 
+@pytest.mark.heavy  # 600 sampled generations
 def test_sampled_medusa_commits_tokens_from_the_targets_own_distribution():
     vocab = 4
     model = tiny_llama(seed=3, vocab=vocab, hidden=16)

@@ -30,7 +30,7 @@ from backends.gguf import converted_path, record_source  # noqa: E402
 from backends.mlx.backend import MlxBackend, MlxModel  # noqa: E402
 from backends.mlx.drafters import DraftModelDrafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from tests.conftest import mlx_twin, save_hf_folder, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.tiny import mlx_twin, save_hf_folder, tiny_llama, tiny_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 

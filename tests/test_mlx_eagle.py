@@ -23,9 +23,10 @@ from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from tests.conftest import mlx_twin, tiny_llama  # noqa: E402
 from tests.distributions import assert_follows, two_token_law  # noqa: E402
 from tests.eagle_heads import LAYOUTS, write_head  # noqa: E402
+from tests.marks import heavy  # noqa: E402
+from tests.tiny import mlx_twin, tiny_llama  # noqa: E402
 
 N_LAYERS = 8  # the default rule's layers 2, 4, 5 differ
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle"
@@ -200,7 +201,7 @@ def _recording(drafter) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_an_mlx_head_chain_gives_exactly_plain_greedy_decoding(twins, heads, layout, k):
     _, target = twins
     truth = plain(target, PROMPT, 30).token_ids
@@ -341,6 +342,7 @@ def test_sampled_mlx_head_chains_report_the_q_they_sample_from(small_target, tmp
     assert_follows(counts, draft.probs[0] * 400)
 
 
+@pytest.mark.heavy  # 900 sampled generations
 def test_sampled_speculation_with_an_mlx_head_draws_from_the_targets_distribution(
         small_target, tmp_path):
     params = SamplingParams(temperature=1.0, max_new_tokens=4)

@@ -29,8 +29,9 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from backends.torch.heads.mtp import detect_mtp, load_mtp_drafter, read_layout  # noqa: E402
-from tests.conftest import tiny_tokenizer  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.marks import heavy  # noqa: E402
+from tests.tiny import tiny_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
 HIDDEN = 32
@@ -136,7 +137,7 @@ def test_the_glm_mtp_block_with_per_expert_names_equals_transformers_own_layer(f
 
 
 @pytest.mark.parametrize("name", ["glm", "mimo"])
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_greedy_mtp_gives_exactly_the_oracles_tokens(targets, name, k):
     target = targets[name]
     plain = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30)))[-1]
@@ -159,6 +160,7 @@ def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(targ
     assert drafter.propose([*PROMPT, 3], 4) == first  # drafting left no trace
 
 
+@pytest.mark.heavy  # 500 sampled generations
 def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
     vocab = 4
     target = TorchBackend().load(str(glm_folder(tmp_path, vocab=vocab, seed=5)), device="cpu",

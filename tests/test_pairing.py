@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 from app.core.types import SpecdeckError
 from app.drafters.draft_model import DraftModelDrafter
 from app.drafters.pairing import check_vocab_compatible
-from tests.conftest import tiny_llama
+from tests.tiny import tiny_llama
 
 
 def renamed_tokenizer(vocab: int) -> PreTrainedTokenizerFast:

@@ -298,8 +298,8 @@ def test_remote_user_errors_are_one_line_and_exit_2(base_url: str, capsys, args,
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_missing_key_names_the_fix(tmp_path: Path, capsys) -> None:
-    folder = save_tiny_model(tmp_path / "tiny")
+@pytest.mark.heavy  # a server of its own, with a key
+def test_a_missing_key_names_the_fix(folder: Path, tmp_path: Path, capsys) -> None:
     args = ["--target", str(folder), "--drafter", "none", "--api-key", "sesame"]
     with specdeck_serve(args, tmp_path / "serve.log") as url:
         code, _, err = cli(capsys, "generate", "--remote", url, "--prompt", PROMPT,
@@ -405,6 +405,7 @@ def llama_servers(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_llama_server_stream_gives_the_token_ids_of_its_text(llama_servers) -> None:
     engine = connect(llama_servers["plain"], extra={"cache_prompt": False})
     try:
@@ -422,6 +423,7 @@ def test_llama_server_stream_gives_the_token_ids_of_its_text(llama_servers) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_llama_server_drafting_for_itself_reports_acceptance_and_equals_plain(
         llama_servers) -> None:
     outputs = {}

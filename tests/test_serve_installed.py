@@ -242,20 +242,29 @@ def serve_installed(home: Path, log: Path, *flags: str):
     return specdeck_serve(["--k", "4", *flags], log, env={"SPECDECK_HOME": str(home)})
 
 
+@pytest.fixture(scope="module")
+def roomy(home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server with room for every pair, shared by the module: it lists the pairs' sizes and
+    serves requests. A fixed budget: what is free on the machine would change the planner's
+    drafter choice."""
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    with serve_installed(home, log, "--memory-limit", "64GB") as url:
+        yield url
+
+
 def loaded(url: str) -> list[str]:
     cards = httpx.get(f"{url}/models").json()["data"]
     return [c["id"] for c in cards if c["specdeck"]["loaded"]]
 
 
 def test_without_a_target_the_client_lists_installed_pairs_completes_and_gets_404s(
-        home: Path, tmp_path: Path) -> None:
+        home: Path, roomy: str) -> None:
     from app.core.engine import SpecEngine
     from app.drafters.ngram import NgramDrafter
     from backends.torch.backend import TorchBackend
 
-    # a fixed budget: what is free on the machine would change the planner's drafter choice
-    with serve_installed(home, tmp_path / "serve.log", "--memory-limit", "64GB") as url, \
-            openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+    url = roomy
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {SMOL, QWEN}
         assert models[SMOL].specdeck["drafter"] == "ngram"
@@ -279,12 +288,11 @@ def test_without_a_target_the_client_lists_installed_pairs_completes_and_gets_40
 
 
 def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
-        home: Path, tmp_path: Path) -> None:
+        home: Path, roomy: str, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     # what each pair needs depends on the dtype this CPU runs (fp32, or bf16 where native):
     # ask the server, then give it a limit that holds either pair but not both
-    with serve_installed(home, tmp_path / "sizes.log") as url, \
-            openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+    with openai.OpenAI(base_url=roomy, api_key="none", max_retries=0, timeout=120) as client:
         needs = {m.id: m.specdeck["memory_bytes"] for m in client.models.list().data}
     usable = (max(needs.values()) + sum(needs.values())) // 2
     limit = int(usable / 0.9) + 1  # the pool keeps 10% back

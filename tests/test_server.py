@@ -1,6 +1,6 @@
 """`specdeck serve` speaks the OpenAI API to the official client, losslessly, with stats.
 
-One server process per module, on 127.0.0.1, over the conftest tiny model saved to disk
+One server process per module, on 127.0.0.1, over the tiny model of tests/tiny.py saved to disk
 (ngram drafter, k 4, an API key). The in-process engine over the same folder is the
 reference the server's text and speculative statistics must match.
 """

@@ -30,8 +30,8 @@ from app.serve import prometheus
 from app.serve.admission import Gate
 from app.serve.requests import ApiError, CompletionRequest
 from app.serve.server import DEFAULT_MAX_TOKENS, Served, build_app, sampling
-from tests.conftest import tiny_llama
 from tests.serving import CHAT_TEMPLATE, ROOT, save_tiny_model, serve_process
+from tests.tiny import tiny_llama
 
 PROMPT = "w5 w9 w12 w5 w9"
 LONG = 4000  # tokens a request asks for when it must still be running when the test acts
@@ -231,6 +231,7 @@ BODIES = (mutated() | nested() | sized()
           | st.tuples(st.just("/chat/completions"), st.binary(max_size=64)))
 
 
+@pytest.mark.heavy  # 150 fuzzed requests
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=BODIES)
@@ -360,6 +361,7 @@ def test_the_gate_refuses_past_its_queue_and_cancels_everything_on_stop() -> Non
 
 # ---- start-up and shutdown ----------------------------------------------------------------
 
+@pytest.mark.heavy  # a server of its own each
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_cancels_a_running_stream_and_the_server_exits(
         model_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:

@@ -26,7 +26,7 @@ from backends.torch.quant import (
     w8a8_is_exact,
 )
 from backends.torch.quantize import quantize_linear
-from tests.conftest import W4A8, save_hf_folder, tiny_llama
+from tests.tiny import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 
@@ -67,6 +67,22 @@ def tiny_folder(tmp_path_factory):
     return save_hf_folder(tiny_llama(seed=1), tmp_path_factory.mktemp("exact") / "tiny")
 
 
+@pytest.fixture(scope="module")
+def load_target(tiny_folder):
+    """load_target(dtype): tiny_folder loaded once per dtype in this module (quantizing at load
+    is most of a test's cost). Only for targets, which tests share safely (sessions keep their
+    own caches, and drafting for itself leaves a model as it was); a draft model is loaded
+    fresh, since a drafter lightens its head or restricts its vocabulary."""
+    loaded = {}
+
+    def load(dtype: str):
+        if dtype not in loaded:
+            loaded[dtype] = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+        return loaded[dtype]
+
+    return load
+
+
 NATIVE_BF16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 row invariance was "
                                  "measured on CPUs that compute bf16 natively")
 
@@ -88,8 +104,8 @@ def _cpu_has_vnni() -> bool:
                                          ("int4", 1), pytest.param("w4a8", 1, marks=W4A8.marks),
                                          pytest.param("bfloat16", 2,
                                                                    marks=NATIVE_BF16)])
-def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder, dtype, rows):
-    model = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(load_target, dtype, rows):
+    model = load_target(dtype)
     assert model.hf.config._attn_implementation == NAME
     assert model.start().min_rows == rows
     session = model.start()
@@ -103,9 +119,9 @@ def test_low_precision_cpu_targets_pad_only_what_their_matmuls_need(tiny_folder,
 
 
 @pytest.mark.parametrize("dtype", ["int8", W8A8, "int4", W4A8])
-def test_a_quantized_target_decodes_the_same_tokens_with_and_without_speculation(tiny_folder,
+def test_a_quantized_target_decodes_the_same_tokens_with_and_without_speculation(load_target,
                                                                                dtype):
-    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    target = load_target(dtype)
     params = SamplingParams(max_new_tokens=40)
     plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
     for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
@@ -188,8 +204,8 @@ def test_an_int4_layer_runs_a_prompt_on_its_8_bit_copy_and_verify_blocks_on_4_bi
 
 @pytest.mark.parametrize("dtype", [W8A8, "int4", W4A8])
 def test_a_prompt_longer_than_a_verify_decodes_the_same_with_and_without_speculation(
-        tiny_folder, dtype):
-    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+        load_target, dtype):
+    target = load_target(dtype)
     prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]  # prefilled in one forward
     params = SamplingParams(max_new_tokens=30)
     plain = list(SpecEngine(target).generate(prompt, params))[-1]
@@ -217,10 +233,10 @@ def test_an_int8_layer_runs_a_long_prompt_in_float32_where_the_cpu_lacks_native_
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_a_prompt_run_in_float32_decodes_the_same_with_and_without_speculation(
-        tiny_folder, dtype, monkeypatch):
+        load_target, dtype, monkeypatch):
     monkeypatch.setattr(quant, "_float_is_faster", lambda: True)
     monkeypatch.setattr(Int8Linear, "FLOAT_ROWS", torch_backend.MAX_VERIFY_ROWS + 1)
-    target = TorchBackend().load(str(tiny_folder), device="cpu", dtype=dtype)
+    target = load_target(dtype)
     prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]
     params = SamplingParams(max_new_tokens=30)
     plain = list(SpecEngine(target).generate(prompt, params))[-1]

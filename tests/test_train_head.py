@@ -20,7 +20,7 @@ from backends.torch.train_head import data, loop  # noqa: E402
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
 from backends.torch.train_head.ttt import ttt_logits, ttt_step  # noqa: E402
 from backends.torch.train_head.vocab import d2t_t2d, draft_vocabulary  # noqa: E402
-from tests.conftest import tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 VOCAB = 48
 LAYERS = 8  # so that EAGLE-3's layers 2, N//2 and N-3 differ
@@ -150,6 +150,7 @@ def test_shard_files_give_back_the_same_examples(answers, tmp_path):
         assert torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
 
 
+@pytest.mark.heavy  # trains a head
 def test_training_lowers_the_ttt_loss_and_raises_depth_one_accuracy(answers, tmp_path):
     hf = tiny_target()
     head = fresh_head(hf)
@@ -213,6 +214,7 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
     assert len(set(draft.tokens)) > 1
 
 
+@pytest.mark.heavy  # trains a head, then decodes with it
 def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(answers,
                                                                                tmp_path):
     """Across a whole speculative decoding, where rounds accept 0..k drafts, each round's
@@ -267,6 +269,7 @@ def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(an
     assert checked[0] == len(rounds) > 5 and checked[2] > 0 and accepted_after_accepting > 2
 
 
+@pytest.mark.heavy  # trains a head
 def test_a_chain_counts_a_depth_only_where_every_earlier_depth_was_right(answers, tmp_path):
     """Teacher-forced top-1 at depth j counts rows whatever the earlier depths guessed; a
     greedy chain reaches depth j only where all of them were right, and that is what training

@@ -13,14 +13,16 @@ from app.drafters.draft_model import DraftModelDrafter
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.exactness import exact_row_block
 from backends.torch.quant import w8a8_is_exact
-from tests.conftest import W4A8, save_hf_folder, tiny_llama
+from tests.marks import heavy
+from tests.tiny import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_native_bf16(), reason="bf16 row invariance is claimed where bf16 is native"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates: specdeck refuses w8a8"))
-DTYPES = ["float32", BF16, "int8", W8A8, "int4", W4A8]
+# `make check` keeps float32 and int8 (runs on every CPU); `make test` sweeps them all
+DTYPES = ["float32", *heavy(BF16), "int8", *heavy(W8A8, "int4", W4A8)]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,22 @@ def draft_folder(tmp_path_factory):
     return save_hf_folder(tiny_llama(seed=2), tmp_path_factory.mktemp("tree") / "draft")
 
 
+@pytest.fixture(scope="module")
+def load(folder, draft_folder):
+    """load(dtype) -> the target, load(dtype, draft=True) -> the draft: each loaded once per
+    module (quantizing at load is most of a test's cost). A test may share them: sessions keep
+    their own caches, and a draft model is never used as a target (a drafter lightens it)."""
+    loaded = {}
+
+    def load(dtype: str, draft: bool = False):
+        if (dtype, draft) not in loaded:
+            path = draft_folder if draft else folder
+            loaded[dtype, draft] = TorchBackend().load(str(path), device="cpu", dtype=dtype)
+        return loaded[dtype, draft]
+
+    return load
+
+
 # a root with three children; the middle one carries a branch two deep
 TOKENS = (4, 7, 2, 11, 6, 3, 8)
 PARENTS = (-1, -1, -1, 1, 1, 3, 4)
@@ -41,8 +59,8 @@ PARENTS = (-1, -1, -1, 1, 1, 3, 4)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("leaf", [0, 5, 6])
 def test_a_tree_forward_kept_to_one_path_equals_a_chain_forward_of_it_bit_for_bit(
-        folder, dtype, leaf):
-    model = TorchBackend().load(str(folder), device="cpu", dtype=dtype)
+        load, dtype, leaf):
+    model = load(dtype)
     path = [leaf]
     while PARENTS[path[0]] >= 0:
         path.insert(0, PARENTS[path[0]])
@@ -72,15 +90,14 @@ def same(a, b, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [1, 8, 16, MAX_K])
+@pytest.mark.parametrize("k", [*heavy(1, 8, 16), MAX_K])
 def test_speculative_output_is_plain_output_at_every_k_the_engine_allows(
-        folder, draft_folder, dtype, k):
-    backend = TorchBackend()
-    target = backend.load(str(folder), device="cpu", dtype=dtype)
+        load, dtype, k):
+    target = load(dtype)
     params = SamplingParams(max_new_tokens=48)
     plain = list(SpecEngine(target).generate(PROMPT, params))[-1]
     # the target drafting for itself accepts long drafts, so whole k+1-row verifies happen
-    for draft in (target, backend.load(str(draft_folder), device="cpu", dtype=dtype)):
+    for draft in (target, load(dtype, draft=True)):
         done = list(SpecEngine(target, DraftModelDrafter(target, draft), k=k).generate(
             PROMPT, params))[-1]
         assert done.token_ids == plain.token_ids, (dtype, k, draft.name)

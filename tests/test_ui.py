@@ -431,7 +431,7 @@ def test_verdict_reports_speedup_from_own_compute():
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    from tests.conftest import tiny_llama
+    from tests.tiny import tiny_llama
 
     return tiny_llama(seed=1), tiny_llama(seed=2)
 
@@ -827,6 +827,7 @@ def refused_or_served(refusal: str, knobs: dict, served: bool) -> None:
         assert served
 
 
+@pytest.mark.heavy  # a hypothesis fuzz of whole generations
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_p",
                                         "max_new_tokens", "seed", "k"]), ODD_VALUES,

@@ -27,7 +27,7 @@ from tests.test_ui_browser import (
     wait_status,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 browser = test_ui_browser.browser  # the chromium fixture, shared
 
 PROMPT = "Explain what a Python list is, with a code example."

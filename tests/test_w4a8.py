@@ -11,7 +11,7 @@ from app.core.types import SpecdeckError
 from backends.torch import backend as torch_backend
 from backends.torch import w4a8
 from backends.torch.quant import quantize_weight_int4
-from tests.conftest import W4A8
+from tests.tiny import W4A8
 
 pytestmark = list(W4A8.marks)
 
@@ -101,7 +101,7 @@ def test_a_w4a8_draft_model_drafts_from_a_4_bit_output_layer_and_the_output_stay
     from app.drafters.draft_model import DraftModelDrafter
     from backends.torch.backend import TorchBackend
     from backends.torch.quant import W8A8Linear
-    from tests.conftest import save_hf_folder, tiny_llama
+    from tests.tiny import save_hf_folder, tiny_llama
 
     folder = save_hf_folder(tiny_llama(seed=1), tmp_path / "tiny")
     target = TorchBackend().load(str(folder), device="cpu", dtype="w4a8")

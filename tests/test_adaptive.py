@@ -283,8 +283,19 @@ def test_a_draft_that_promises_less_than_the_margin_over_plain_is_not_chosen():
     assert strict.choose() == 0
 
 
-def test_a_drafters_catch_up_read_never_enters_the_per_step_overhead():
+def test_a_drafters_catch_up_read_is_its_own_cost_never_the_per_step_overhead():
     controller = KController(k_max=4)
     controller.seed_costs(FLAT)
     controller.observe(2, 1, 0.02, 0.10, 0.001, source="draft", catch_up_s=0.5)
     assert controller.overhead_s == 0.001
+    assert controller.draft_costs["draft"] == (0.02 + 0.5) / 2
+
+
+def test_a_new_generation_weighs_the_last_texts_acceptance_half():
+    controller = KController(k_max=2, prior_weight=1e-9, decay=1.0)
+    controller.seed_costs(FLAT)
+    feed(controller, 20, n_drafted=2, n_accepted=2, draft_s=0.0)
+    controller.new_text()
+    feed(controller, 10, n_drafted=2, n_accepted=0, draft_s=0.0)
+    # 20 steps that accepted both, kept as 10, against 10 that accepted none
+    assert abs(controller.acceptance()[0] - 0.5) < 1e-6

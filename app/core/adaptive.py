@@ -42,6 +42,11 @@ class KController:
     explore_every: int = 16
     max_explore_gap: int = 256
     new_text_gap: int = 64  # a new generation waits at most this long to explore
+    # share of the acceptance evidence a new generation keeps: acceptance belongs to the text,
+    # and a server's next request may be another kind of text (the default pair's chain ran a
+    # chat reply after code replies at 0.77x plain, drafting on the code's 76% acceptance
+    # until its own 45% had outweighed it)
+    new_text_keep: float = 0.5
     plain_every: int = 32  # steps on before a plain step re-times the one-row cost
     retime_tolerance: float = 0.2  # a re-timing within this of the estimate agrees with it
     # drafting must promise this much more than plain to be chosen: near break-even the
@@ -85,6 +90,7 @@ class KController:
         the gap across answers)."""
         gap = self._off_gap or self.explore_every
         self._off_gap = min(gap, self.new_text_gap)
+        self._age(self.new_text_keep)
 
     def acceptance(self) -> list[float]:
         """a_j: probability that draft j survives given drafts 1..j-1 did."""
@@ -181,9 +187,9 @@ class KController:
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
         a tree (n_drafted is then its depth and n_accepted its accepted path), else
         n_drafted + 1. catch_up_s: what the drafter spent reading context it had missed (the
-        prompt, or the tokens of a plain stretch): charged to the exploration that paid it,
-        never to the per-step overhead, where a one-off read made every step look dearer and
-        so drafting relatively cheaper.
+        prompt, or the tokens of a plain stretch): charged to that drafter's cost and to the
+        exploration that paid it, never to the per-step overhead, where plain steps carried
+        it too, so drafting looked relatively cheaper.
         """
         rows = rows or n_drafted + 1
         # kept as rows beyond depth + 1: a chain's stay exactly 0, so its k is priced at
@@ -198,8 +204,11 @@ class KController:
             self.verify_s[rows] = _ema(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
+            # a drafter that missed context (the prompt, or tokens committed while it was off
+            # or a lookup drafted) reads it before it drafts: that read recurs with drafting,
+            # so it is priced into the drafter's own cost per token
             cost = self.draft_costs.get(source)
-            self.draft_costs[source] = _ema(cost, draft_s / n_drafted)
+            self.draft_costs[source] = _ema(cost, (draft_s + catch_up_s) / n_drafted)
             # evidence ages with the drafts seen, and faster after a long plain stretch (the
             # text may have changed); aged every step, the prior took over while speculation
             # was off and turned it back on (an EAGLE-3 head at 13% acceptance: 0.94x plain)

@@ -8,6 +8,7 @@ verify, catalogue, store) collect and run without it, and `make check` starts se
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,13 @@ def _no_heads_trained_on_this_machine():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(registry, "TRAINED_CATALOGUE", "trained-under-test.yaml")
         yield
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Let the app's background threads (a pair loading at start, a download, a bench run, a
+    generation) end before the interpreter does: one still inside torch or MLX at exit aborts
+    the process ("terminate called without an active exception"), and the run exits 134
+    after every test passed."""
+    for thread in threading.enumerate():
+        if thread.daemon and thread.name.startswith("specdeck-"):
+            thread.join(timeout=120)

@@ -69,8 +69,12 @@ class Draft:
     probs: Any = None
     source: str = ""  # the drafter (a chain's member) that proposed these tokens
     # seconds of the propose spent reading context the drafter had not seen (after steps
-    # without drafting): a one-off cost the k controller keeps out of the per-token draft cost
+    # without drafting or drafted by another chain member): priced into the drafter's cost
     catch_up_s: float = 0.0
+    # the catch-up was this reply's prompt, read on first drafting: once a reply, so never
+    # priced per draft token (one 200-token read over a 2-token draft priced a 0.5B drafter
+    # off for the rest of a HumanEval reply)
+    reads_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.parents is not None and (

@@ -60,6 +60,7 @@ class DraftModelDrafter:
         # 0 = full vocabulary; sessions without restrict_vocab (MLX) draft from all of it
         self.vocab_limit = vocab_limit if hasattr(self._session, "restrict_vocab") else 0
         self._start = 0  # where the drafter's window begins in the context
+        self._prompt_unread = False  # begin() sets it: the next catch-up reads the prompt
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
 
@@ -74,6 +75,7 @@ class DraftModelDrafter:
         # the prompt is read when this drafter first drafts (as catch-up), not now: a reply
         # whose k controller keeps the model off never pays for it (a chat prompt cost the
         # 0.5B Qwen 0.2 s of every request, read and never drafted from)
+        self._prompt_unread = True
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
@@ -87,8 +89,10 @@ class DraftModelDrafter:
             self._catch_up(feed[:-1])
             feed = feed[-1:]
             caught_up = time.perf_counter() - t0
+        reads_prompt, self._prompt_unread = self._prompt_unread and caught_up > 0, False
         tokens, probs = self._draft(feed, k)
-        return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up)
+        return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up,
+                     reads_prompt=reads_prompt)
 
     def _catch_up(self, feed: list[int]) -> None:
         if feed:

@@ -25,7 +25,8 @@ class Background:
         self.done: Any = None
         self.error: str | None = None
         self._updates: queue.Queue[Any] = queue.Queue()
-        self._worker = threading.Thread(target=self._work, args=(job,), daemon=True)
+        self._worker = threading.Thread(target=self._work, args=(job,), name="specdeck-background",
+                                        daemon=True)
         self._worker.start()
 
     def _work(self, job: Callable[[Callable[[Any], None]], Any]) -> None:

@@ -220,7 +220,7 @@ class BenchHandlers:
                 result["error"] = refusal(error)
 
         started = time.perf_counter()
-        worker = threading.Thread(target=work, daemon=True)
+        worker = threading.Thread(target=work, name="specdeck-bench", daemon=True)
         worker.start()
         log: list[str] = []
         while worker.is_alive() or not lines.empty():

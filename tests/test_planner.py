@@ -364,3 +364,10 @@ def test_a_head_whose_recorded_tau_pays_or_that_has_no_record_is_still_chosen(
                             installed=lambda m, head=head: head if m.id == "eagle3-qwen3-4b"
                             else Path("/models") / m.id)
         assert plan.choice.kind == "eagle3", tau
+
+
+def test_a_gguf_cut_short_after_its_magic_is_refused_naming_the_fix(tmp_path, catalogue):
+    partial = tmp_path / "partial.gguf"
+    partial.write_bytes(b"GGUF")
+    with pytest.raises(SpecdeckError, match="download it again"):
+        planner.describe(str(partial), catalogue)

@@ -323,7 +323,8 @@ def test_bench_remote_is_one_more_interleaved_configuration(base_url: str, folde
                             "--no-chat", "--json", str(out))
     assert code == 0, err
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert set(summary["results"]) == {"plain", "ngram k=3", "remote specdeck:draft"}
+    # the default drafter: the planner's choice (a bare folder: prompt lookup)
+    assert set(summary["results"]) == {"plain", "auto:ngram k=3", "remote specdeck:draft"}
     report = json.loads(out.read_text())
     remote_config = next(c for c in report["configs"] if c["drafter"] == "remote")
     assert remote_config["remote"]["engine"] == "specdeck"

@@ -452,7 +452,7 @@ def _gguf_numbers(path: Path) -> tuple[Arch, int]:
                             "'specdeck[torch]'") from error
     try:
         reader = GGUFReader(str(path))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, IndexError) as error:  # IndexError: a file cut short
         raise SpecdeckError(f"cannot read {path}: {error}. The file may be partial: download "
                             "it again") from error
 

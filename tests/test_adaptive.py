@@ -283,12 +283,12 @@ def test_a_draft_that_promises_less_than_the_margin_over_plain_is_not_chosen():
     assert strict.choose() == 0
 
 
-def test_a_drafters_catch_up_read_is_its_own_cost_never_the_per_step_overhead():
+def test_a_drafters_catch_up_read_never_enters_the_per_step_overhead():
     controller = KController(k_max=4)
     controller.seed_costs(FLAT)
     controller.observe(2, 1, 0.02, 0.10, 0.001, source="draft", catch_up_s=0.5)
     assert controller.overhead_s == 0.001
-    assert controller.draft_costs["draft"] == (0.02 + 0.5) / 2
+    assert controller.draft_costs["draft"] == 0.02 / 2
 
 
 def test_a_new_generation_weighs_the_last_texts_acceptance_half():

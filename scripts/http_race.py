@@ -1,8 +1,8 @@
-"""Interleaved plain vs default-drafter timing over one specdeck server's HTTP API.
-Usage: http_bench.py URL OUT.json [limit] [max_tokens]"""
+"""Interleaved plain vs default-drafter (and llama-server) timing over HTTP, per prompt set.
+Usage: http_race.py SPECDECK_URL OUT.json [limit] [max_tokens] [LLAMA_SERVER_URL]"""
 import json, sys, time, statistics
 import httpx
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from app.bench.prompts import load_prompts
 
 url, out = sys.argv[1], sys.argv[2]

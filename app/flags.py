@@ -22,6 +22,7 @@ DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 ac
               "auto on CPU: the fastest mode no coarser than the model file (--json says why)")
 DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a target and a drafter."""
     p.add_argument("--target", help="target model: HF folder, .gguf file or catalogue pair id")
@@ -35,6 +36,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=k_value, default=DEFAULT_K,
                    help="draft tokens per step (num_draft_tokens), or auto (the default): "
                         "chosen per step from measured costs and acceptance")
+    add_runtime_arguments(p)
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """Where and in what dtype the models run: the model commands' flags, and bench's."""
     p.add_argument("--backend", default="auto",
                    help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (torch) or gpu (mlx)")

@@ -41,7 +41,7 @@ from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_li
 from app.core.engine import SpecEngine, check_k, last_done
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
-from app.flags import DEFAULT_K, DRAFT_DTYPE_HELP, DRAFT_VOCAB_HELP, DTYPE_HELP
+from app.flags import DEFAULT_K, add_runtime_arguments
 from app.remoting import add_remote_arguments
 from app.train import prompts as training_prompts
 
@@ -447,12 +447,7 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--pair", help="catalogue pair id (see `specdeck models`)")
     p.add_argument("--target", help="target model: HF folder or .gguf file")
     p.add_argument("--draft", help="draft model (HF folder or .gguf) for the draft drafter")
-    p.add_argument("--backend", default="auto",
-                   help="auto, torch, mlx or llamacpp (a GGUF on llama.cpp's kernels)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    p.add_argument("--draft-vocab", type=int, default=0, help=DRAFT_VOCAB_HELP)
+    add_runtime_arguments(p)
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto, eagle3, eagle (KIND:tree for "
                         "EAGLE-2 trees) (default: auto, the planner's choice for the target); "

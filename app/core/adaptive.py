@@ -51,8 +51,8 @@ class KController:
     retime_tolerance: float = 0.2  # a re-timing within this of the estimate agrees with it
     # drafting must promise this much more than plain to be chosen: near break-even the
     # estimates' error decides the sign, and a loss is what the user sees (the default pair's
-    # chain on chat prompts, about 50% acceptance at 0.35 of a target step per draft token,
-    # sat at 0.95-1.04x)
+    # chain on chat prompts: about 50% acceptance at 0.35 of a target step per draft token,
+    # break-even by this model)
     pay_margin: float = 0.05
     verify_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (EMA)
     # seconds per drafted token (EMA) for each drafter that proposed (a chain's members each
@@ -204,9 +204,9 @@ class KController:
             self.verify_s[rows] = _ema(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
-            # catch-up reads stay out of the cost per token: priced in, they cut the default
-            # pair's HumanEval gain from 1.33x to 1.04x plain (chain: the model reads what
-            # lookup steps committed) with no measured gain on chat or math
+            # catch-up reads stay out of the cost per token: in a run that priced them in (and
+            # halved evidence per reply) the default pair's HumanEval median over HTTP fell
+            # from 1.33x to 1.04x plain (chain: the model reads what lookup steps committed)
             cost = self.draft_costs.get(source)
             self.draft_costs[source] = _ema(cost, draft_s / n_drafted)
             # evidence ages with the drafts seen, and faster after a long plain stretch (the

@@ -340,7 +340,7 @@ class SpecEngine:
 
     def warm_up(self) -> None:
         """Time the verify cost curve now, at load, rather than inside the first request that
-        asks for k="auto": 19 forwards took seconds of a 128-token reply on 2 cores."""
+        asks for k="auto": 19 forwards of 1..9 rows, each about a decode step's cost."""
         token = min(self.target.eos_token_ids, default=0)
         self._probe_verify_costs(token, self.k_max_default)
 

@@ -69,11 +69,11 @@ class Draft:
     probs: Any = None
     source: str = ""  # the drafter (a chain's member) that proposed these tokens
     # seconds of the propose spent reading context the drafter had not seen (after steps
-    # without drafting or drafted by another chain member): priced into the drafter's cost
+    # without drafting or drafted by another chain member): the k controller charges it to
+    # an exploration's check of whether drafting paid, never to its per-step estimates
     catch_up_s: float = 0.0
-    # the catch-up was this reply's prompt, read on first drafting: once a reply, so never
-    # priced per draft token (one 200-token read over a 2-token draft priced a 0.5B drafter
-    # off for the rest of a HumanEval reply)
+    # the catch-up was this reply's prompt, read on first drafting: paid once a reply however
+    # drafting goes, so not charged to that check either
     reads_prompt: bool = False
 
     def __post_init__(self) -> None:

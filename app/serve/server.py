@@ -34,7 +34,7 @@ from typing import Any
 
 from app import drafters
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
-from app.flags import add_model_arguments
+from app.flags import DEFAULT_K, add_model_arguments
 from app.serve.admission import Gate, Ticket, read_body, require_json
 from app.serve.metrics import FINISH, Metrics, render_all
 from app.serve.pool import DEFAULT_KEEP_ALIVE, Listed, Pool, need_bytes, parse_duration
@@ -49,8 +49,6 @@ from app.serve.requests import (
     shown,
 )
 
-# k for a request that names another drafter than the server's and no k: chosen per step
-DEFAULT_K: int | str = "auto"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # a request without max_tokens gets this many (or the context left, when that is fewer):
 # vLLM's default, the whole context, lets one forgotten field hold the engine for minutes

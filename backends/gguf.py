@@ -30,6 +30,7 @@ from backends.digest import sha256_of
 from backends.extras import install_hint
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
+METADATA_SUFFIX = ".specdeck-meta"  # folder next to a .gguf holding its config and tokenizer
 SOURCE_RECORD = ".specdeck-source.json"  # inside the folder: the GGUF it was built from
 LOCK_SUFFIX = ".specdeck-lock"  # next to the .gguf; never deleted (others may wait on it)
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
@@ -64,12 +65,23 @@ def hf_folder(path: Path, convert: Converter | None = None) -> Path:
         return path
     if path.suffix != ".gguf":
         raise SpecdeckError(f"{path} is neither a folder nor a .gguf file")
-    dest = converted_path(path)
+    return _fresh(path, converted_path(path), convert or convert_with_transformers,
+                  "converting {} to safetensors")
+
+
+def metadata_folder(gguf: Path) -> Path:
+    """A folder beside gguf with its config.json and tokenizer files, read from its header
+    once (megabytes: the weights stay in the .gguf, which the torch backend computes on)."""
+    return _fresh(gguf, gguf.with_name(gguf.name + METADATA_SUFFIX), save_metadata,
+                  "reading the config and tokenizer of {}")
+
+
+def _fresh(gguf: Path, dest: Path, convert: Converter, doing: str) -> Path:
     record = read_record(dest)
-    if record is not None and record.same_stat(path):
+    if record is not None and record.same_stat(gguf):
         return dest  # the common case: one stat, no lock, no hash
-    with _locked(path):
-        _refresh(path, dest, convert or convert_with_transformers)
+    with _locked(gguf):
+        _refresh(gguf, dest, convert, doing)
     return dest
 
 
@@ -90,7 +102,7 @@ def record_source(gguf: Path, dest: Path) -> SourceRecord:
     return record
 
 
-def _refresh(gguf: Path, dest: Path, convert: Converter) -> None:
+def _refresh(gguf: Path, dest: Path, convert: Converter, doing: str) -> None:
     """Under the lock: reuse what another process finished, or what only got a new mtime;
     otherwise build the folder again."""
     record = read_record(dest)
@@ -102,12 +114,12 @@ def _refresh(gguf: Path, dest: Path, convert: Converter) -> None:
             st = gguf.stat()
             _write_record(dest, SourceRecord(st.st_size, st.st_mtime_ns, digest))
             return
-    _build(gguf, dest, convert, stale=dest.exists())
+    _build(gguf, dest, convert, doing, stale=dest.exists())
 
 
-def _build(gguf: Path, dest: Path, convert: Converter, stale: bool) -> None:
-    why = "its .gguf changed since it was converted" if stale else "once; later loads take seconds"
-    print(f"specdeck: converting {gguf.name} to safetensors ({why})...", file=sys.stderr)
+def _build(gguf: Path, dest: Path, convert: Converter, doing: str, stale: bool) -> None:
+    why = "its .gguf changed since it was read" if stale else "once; later loads take seconds"
+    print(f"specdeck: {doing.format(gguf.name)} ({why})...", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=dest.parent))
     try:
         before = gguf.stat()
@@ -194,4 +206,22 @@ def convert_with_transformers(gguf: Path, dest: Path) -> None:
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def save_metadata(gguf: Path, dest: Path) -> None:
+    """config.json and the tokenizer's files of a GGUF, from its header (dest is empty)."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except ImportError as error:
+        raise SpecdeckError(f"reading {gguf.name} needs the torch backend: "
+                            f"{install_hint('torch')}") from error
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as error:
+        raise SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
+                            "corrupt: `specdeck pull --verify PAIR` repairs a pulled model; "
+                            "otherwise download it again") from error
+    config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

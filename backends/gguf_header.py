@@ -37,8 +37,8 @@ def file_type(path: Path) -> tuple[str, float] | None:
             if version < 2:
                 return None
             for _ in range(pairs):
-                key = _string(f)
-                value = _value(f, struct.unpack("<I", f.read(4))[0])
+                key = read_string(f)
+                value = read_value(f, struct.unpack("<I", f.read(4))[0])
                 if key == "general.file_type" and isinstance(value, int):
                     return FILE_TYPES.get(value, (f"type {value}", 0.0))
     except (OSError, struct.error, ValueError, UnicodeDecodeError):
@@ -46,23 +46,23 @@ def file_type(path: Path) -> tuple[str, float] | None:
     return None
 
 
-def _string(f: BinaryIO) -> str:
+def read_string(f: BinaryIO) -> str:
     (length,) = struct.unpack("<Q", f.read(8))
     if length > 1 << 24:
         raise ValueError("implausible string length")
     return f.read(length).decode("utf-8")
 
 
-def _value(f: BinaryIO, kind: int) -> object:
+def read_value(f: BinaryIO, kind: int) -> object:
     if kind == _STRING:
-        return _string(f)
+        return read_string(f)
     if kind == _ARRAY:
         item, count = struct.unpack("<IQ", f.read(12))
         if item in _SCALARS:  # skipped whole: token scores and types are long
             f.seek(count * struct.calcsize("<" + _SCALARS[item]), 1)
         else:
             for _ in range(count):
-                _value(f, item)
+                read_value(f, item)
         return None
     if kind not in _SCALARS:
         raise ValueError(f"unknown GGUF value type {kind}")

@@ -11,9 +11,15 @@ from gguf import GGUFWriter
 
 from backends.gguf_header import file_type
 from backends.torch import backend as torch_backend
-from backends.torch import w4a8
+from backends.torch import ggml, w4a8
 from backends.torch.backend import TorchBackend, auto_cpu_dtype
 from tests.tiny import save_hf_folder, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _no_ggml(monkeypatch):
+    """The choices below ggml's: what auto picks on a machine without llama-cpp-python."""
+    monkeypatch.setattr(ggml, "is_available", lambda: False)
 
 
 def _gguf(path: Path, ftype: int) -> Path:
@@ -39,6 +45,14 @@ def test_a_file_that_is_not_a_gguf_has_no_file_type(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(40))
     (tmp_path / "y.gguf").write_bytes(b"GGUF\x03\x00")  # cut short
     assert file_type(tmp_path / "x.gguf") is None and file_type(tmp_path / "y.gguf") is None
+
+
+@pytest.mark.parametrize("ftype", [15, 7, 1])
+def test_auto_computes_any_gguf_on_its_own_blocks_where_ggml_is_installed(tmp_path, monkeypatch,
+                                                                          ftype):
+    monkeypatch.setattr(ggml, "is_available", lambda: True)
+    dtype, why = auto_cpu_dtype(_gguf(tmp_path / "m.gguf", ftype))
+    assert dtype == "gguf" and "own" in why and "nothing converted" in why
 
 
 def test_auto_runs_a_4_bit_source_in_w4a8_where_its_kernel_runs_and_says_why(tmp_path,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import resource
+import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,13 +25,14 @@ from transformers.utils import logging as hf_logging
 from app.core.protocols import Capabilities, collect_eos_ids
 from app.core.types import SpecdeckError
 from backends.cpu import cpu_has_native_bf16
-from backends.gguf import hf_folder
+from backends.gguf import CONVERTED_SUFFIX, metadata_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
-from backends.torch import w4a8
+from backends.torch import ggml, w4a8
 from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
+from backends.torch.gguf_model import load_gguf_model, stored_bytes
 from backends.torch.output_heads import light_head
 from backends.torch.quant import (
     Int4Linear,
@@ -46,11 +49,13 @@ from backends.torch.session import MAX_VERIFY_ROWS, HfSession, LeanSession, Torc
 # bf16 activations (CPU only); w4a8: the same 4-bit weights times int8 activations per group
 # of 32 (llama.cpp's Q4_K x Q8_K arithmetic, backends/torch/w4a8.py). The 4-bit modes keep
 # the output layer in 8 bits. Their other tensors are bf16.
+# gguf: a .gguf's own blocks (Q4_K, Q6_K, Q8_0 ...) on ggml's kernels, float32 between them
+# (backends/torch/ggml.py): the model the file defines, memory-mapped, nothing converted.
 QUANTIZED = ("int8", "w8a8", "int4", "w4a8")
-CPU_ONLY = ("w8a8", "int4", "w4a8")
+CPU_ONLY = ("w8a8", "int4", "w4a8", "gguf")
 FOUR_BIT = ("int4", "w4a8")
 _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat16,
-           "w4a8": torch.bfloat16,
+           "w4a8": torch.bfloat16, "gguf": torch.float32,
            "float32": torch.float32,
            "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -85,8 +90,8 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         native = device.startswith("cuda") or cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
-        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16, float16, "
-                            "int8, w8a8, int4 or w4a8")
+        raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, gguf, float32, bfloat16, "
+                            "float16, int8, w8a8, int4 or w4a8")
     if dtype in CPU_ONLY and device != "cpu":
         raise SpecdeckError(f"--dtype {dtype} runs on the CPU only: use --device cpu, or "
                             "bfloat16 on a GPU")
@@ -96,6 +101,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "w4a8" and not w4a8.is_available():
         why = w4a8.unavailable_reason() or "its kernel did not build"
         raise SpecdeckError(f"--dtype w4a8 cannot run here: {why}; use --dtype int4")
+    if dtype == "gguf" and not ggml.is_available():
+        why = ggml.unavailable_reason() or "its shim did not build"
+        raise SpecdeckError(f"--dtype gguf cannot run here: {why}")
     if dtype == "w8a8" and not w8a8_is_exact():
         raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
                             "lossless: use --dtype int8 (weight-only) instead")
@@ -113,6 +121,10 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
     than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
     decoding: see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
     source = file_type(path) if path.suffix == ".gguf" else None
+    if path.suffix == ".gguf" and ggml.is_available():
+        name = source[0] if source else "GGUF"
+        return "gguf", (f"gguf: the file's own {name} blocks, memory-mapped, on llama.cpp's "
+                        "kernels (ggml): the model you downloaded, nothing converted")
     if source is None:
         base = "bfloat16" if cpu_has_native_bf16() else "float32"
         return base, f"{base}: a 16-bit or wider source stays unquantized"
@@ -202,6 +214,7 @@ class TorchModel:
         # its packed codes beside the model's layer; its bias is the layer's
         light = vars(self).get("drafting_head")
         packed += light.packed_bytes() if light is not None else 0
+        packed += stored_bytes(self.hf)  # a .gguf's blocks, read in place
         return packed + sum(t.numel() * t.element_size() for t in tensors)
 
     def peak_memory_bytes(self) -> int:
@@ -221,24 +234,18 @@ class TorchBackend:
         if dtype == "auto" and device == "cpu":
             dtype, why = auto_cpu_dtype(Path(path))
         torch_dtype = resolve_dtype(dtype, device)
-        folder = str(hf_folder(Path(path)))
-        hf_logging.disable_progress_bar()  # a converted folder loads in seconds; keep stderr clean
+        hf_logging.disable_progress_bar()  # a folder loads in seconds; keep stderr clean
         # on CPU, row-invariant attention keeps plain and speculative numerics equal (and
         # gives each tree row exactly the keys its chain twin sees)
-        extra = {"attn_implementation": torch_attention.register()} if device == "cpu" else {}
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError) as error:
-            raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
-                                "folder holds config.json, weights and tokenizer files, or "
-                                "re-download it with `specdeck pull`") from error
-        fuse_projections(hf)  # before quantizing: the fused layers are quantized as one
+        attention = torch_attention.register() if device == "cpu" else None
+        hf, tokenizer, folder = _load_hf(Path(path), dtype, torch_dtype, attention)
+        if dtype != "gguf":
+            fuse_projections(hf)  # before quantizing: the fused layers are quantized as one
         if dtype in QUANTIZED:
             quantize_linears(hf, dtype)
         model = TorchModel(hf.to(device), tokenizer, name=_display_name(Path(path)), device=device)
-        model.source = Path(folder)  # MTP layers are read from the checkpoint's own files
-        if dtype in QUANTIZED:
+        model.source = folder  # MTP layers are read from the checkpoint's own files
+        if dtype in (*QUANTIZED, "gguf"):
             model.dtype = dtype
             model.min_rows = 1  # their matmuls give a row the same bits for any row count
         model.dtype_reason = why
@@ -287,6 +294,45 @@ class TorchBackend:
             # not for a longer-trained one (0.112 either way)
             quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
         return EagleDrafter(target, head, spec, tree=tree, min_confidence=CHAIN_MIN_CONFIDENCE)
+
+
+def _load_hf(path: Path, dtype: str, torch_dtype: torch.dtype,
+             attention: str | None) -> tuple[Any, Any, Path]:
+    """(model, tokenizer, folder of its config): a folder through transformers; a .gguf on
+    its own blocks (dtype gguf), else dequantized in memory by transformers (never on disk)."""
+    if not path.exists():
+        raise SpecdeckError(f"model not found: {path}. Give an HF model folder or a .gguf file, "
+                            "or download a pair with `specdeck pull`")
+    if dtype == "gguf" and path.suffix != ".gguf":
+        raise SpecdeckError(f"--dtype gguf computes on a .gguf file's blocks; {path} is not "
+                            "one: use --dtype auto")
+    extra = {"attn_implementation": attention} if attention else {}
+    try:
+        if path.suffix == ".gguf":
+            _report_stale_conversion(path)
+            if dtype == "gguf":
+                return (*load_gguf_model(path, attention), metadata_folder(path))
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=torch_dtype, **extra)
+            return hf, AutoTokenizer.from_pretrained(str(metadata_folder(path))), path.parent
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **extra)
+        return hf, AutoTokenizer.from_pretrained(str(path)), path
+    except (OSError, ValueError) as error:
+        raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
+                            "folder holds config.json, weights and tokenizer files, or "
+                            "re-download it with `specdeck pull`") from error
+
+
+def _report_stale_conversion(gguf: Path) -> None:
+    """Earlier versions kept a dequantized float32 copy beside each .gguf (several times its
+    size); nothing reads it now, so the upgrade frees that disk."""
+    stale = gguf.with_name(gguf.name + CONVERTED_SUFFIX)
+    if not stale.is_dir():
+        return
+    size = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file())
+    shutil.rmtree(stale, ignore_errors=True)
+    print(f"specdeck: removed {stale.name} ({size / 2**30:.1f} GiB), the dequantized copy "
+          "earlier versions kept; the model now runs on the .gguf itself", file=sys.stderr)
 
 
 def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:

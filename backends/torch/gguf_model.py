@@ -1,0 +1,196 @@
+"""A transformers model whose weights are a GGUF file's own tensors, computed by ggml.
+
+Knows: transformers' GGUF name map (gguf tensor name <-> HF parameter name), the fused
+projection layout of fuse.py, llama.cpp's row order for LLaMA's query and key weights, the
+layers of ggml.py. Must not know: sessions, drafting, dtypes other than the file's own.
+
+The model is built on the meta device from the GGUF's config, then each linear layer becomes
+a GgmlLinear over the file's memory-mapped blocks, the embedding a GgmlEmbedding, and the few
+small tensors left (norms, biases: F32 in the file) are read as float32. Nothing the size of
+the weights is allocated, dequantized or written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import dequantize
+from gguf.constants import GGMLQuantizationType
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+from app.core.types import SpecdeckError
+from backends.gguf import metadata_folder
+from backends.gguf_tensors import GgufTensors, open_tensors
+from backends.torch import kquant
+from backends.torch.fuse import GROUPS, FusedProjection, ProjectionSlice
+from backends.torch.ggml import GgmlEmbedding, GgmlLinear, Part, can_compute
+
+# GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
+# layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
+PERMUTED_QK = frozenset({"llama"})
+
+
+def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of a .gguf whose linear layers compute on the file's blocks."""
+    folder = metadata_folder(path)
+    config = AutoConfig.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tensors = open_tensors(path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    names = _hf_names(hf, tensors)
+    _attach_linears(hf, tensors, names)
+    _attach_rest(hf, tensors, names)
+    hf.gguf_tensors = tensors  # the map stays open as long as the model lives
+    return hf.eval(), tokenizer
+
+
+def stored_bytes(hf: Any) -> int:
+    """Bytes of the file's tensors the model computes on (each tensor counted once)."""
+    seen: dict[int, int] = {}
+    for module in hf.modules():
+        for key, size in _stored(module):
+            seen[key] = size
+    return sum(seen.values())
+
+
+def _stored(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """(address, bytes) of what a layer keeps: its kquant tiles, or the file's blocks."""
+    if isinstance(module, GgmlLinear):
+        return [(id(p.packed), p.packed.nbytes) if p.packed is not None
+                else (p.data.ctypes.data, p.data.nbytes) for p in module.parts]
+    if isinstance(module, GgmlEmbedding):
+        return [(module.data.ctypes.data, module.data.nbytes)]
+    return []
+
+
+def _hf_names(hf: Any, tensors: GgufTensors) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor name, for every tensor the file holds."""
+    try:
+        gguf_to_hf = get_gguf_hf_weights_map(hf, TensorProcessor())
+    except NotImplementedError as error:
+        raise SpecdeckError(f"{tensors.path.name}: {error}") from error
+    names = {hf_name: gguf for gguf, hf_name in gguf_to_hf.items() if gguf in tensors.infos}
+    head = hf.get_output_embeddings()
+    head_name = next(n for n, m in hf.named_modules() if m is head) + ".weight"
+    if head_name not in names and "token_embd.weight" in tensors.infos:
+        names[head_name] = "token_embd.weight"  # tied: the output layer reads the embedding
+    return names
+
+
+def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
+    """Every nn.Linear becomes a GgmlLinear; q/k/v and gate/up become one fused layer each."""
+    prefix = {m: n for n, m in hf.named_modules()}
+    for module in list(hf.modules()):
+        _fuse_groups(module, prefix[module], hf.config, tensors, names)
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                part = _part(f"{_join(prefix[module], child_name)}", hf.config, tensors, names)
+                setattr(module, child_name, GgmlLinear([part]))
+
+
+def _fuse_groups(module: torch.nn.Module, name: str, config: Any, tensors: GgufTensors,
+                 names: dict[str, str]) -> None:
+    for fused_name, group in GROUPS:
+        layers = [getattr(module, child, None) for child in group]
+        if not all(isinstance(layer, torch.nn.Linear) for layer in layers):
+            continue
+        parts = [_part(_join(name, child), config, tensors, names) for child in group]
+        fused = FusedProjection(GgmlLinear(parts), [p.out_features for p in parts])
+        module.add_module(fused_name, fused)
+        for index, child in enumerate(group):
+            setattr(module, child, ProjectionSlice(fused, index))
+
+
+def _part(name: str, config: Any, tensors: GgufTensors, names: dict[str, str]) -> Part:
+    weight = names.get(f"{name}.weight")
+    if weight is None:
+        raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}: the file does not "
+                            "match its own config; download it again")
+    info = tensors.infos[weight]
+    if not can_compute(info.ggml_type):
+        raise SpecdeckError(f"{tensors.path.name}: ggml has no CPU kernel for {info.type_name} "
+                            f"({weight})")
+    order = _qk_order(weight, config, tensors.architecture)
+    bias_name = names.get(f"{name}.bias")
+    bias = None if bias_name is None else _float(tensors, bias_name)
+    if bias is not None and order is not None:
+        bias = bias[torch.from_numpy(order).long()]
+    return Part(tensors.bytes_of(weight), info, order, bias, _packed(tensors, weight, order))
+
+
+def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.ndarray | None:
+    """kquant's tiles of a Q4_K / Q6_K tensor, rows in HF order; None where ggml computes it.
+    The bytes are read, not mapped, so the file's pages do not stay in this process too."""
+    info = tensors.infos[name]
+    if not kquant.can_take(info.ggml_type, info.rows, info.row_length):
+        return None
+    with tensors.path.open("rb") as f:
+        stored = np.frombuffer(os.pread(f.fileno(), info.nbytes, info.offset), np.uint8)
+    if order is not None:
+        stored = stored.reshape(info.rows, -1)[order]
+    return kquant.pack(info.ggml_type, stored, info.rows, info.row_length)
+
+
+def _qk_order(gguf_name: str, config: Any, architecture: str) -> np.ndarray | None:
+    """For LLaMA's query and key weights, the stored row each HF row is: the converter
+    interleaved each head's two rotary halves (row h, s, j went to h, j, s)."""
+    if architecture not in PERMUTED_QK:
+        return None
+    if ".attn_q." in gguf_name:
+        heads = int(config.num_attention_heads)
+    elif ".attn_k." in gguf_name:
+        heads = int(config.num_key_value_heads)
+    else:
+        return None
+    head_dim = int(getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
+    return np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _attach_rest(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
+    """The embedding on the file's blocks; norms and other small tensors read as float32;
+    buffers computed at init (rotary frequencies) computed again off the meta device."""
+    embed = hf.get_input_embeddings()
+    embed_name = names.get(next(n for n, m in hf.named_modules() if m is embed) + ".weight")
+    hf.set_input_embeddings(GgmlEmbedding(tensors, embed_name or "token_embd.weight"))
+    for name, param in list(hf.named_parameters()):
+        if name not in names:
+            raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}")
+        _set(hf, name, torch.nn.Parameter(_float(tensors, names[name]).reshape(param.shape),
+                                          requires_grad=False))
+    for module_name, module in list(hf.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            _rebuild(hf, module_name, module)
+
+
+def _rebuild(hf: Any, name: str, module: torch.nn.Module) -> None:
+    """A module whose buffers are computed from the config (the rotary embedding)."""
+    try:
+        fresh = type(module)(config=hf.config)
+    except TypeError as error:
+        raise SpecdeckError(f"cannot rebuild {name} ({type(module).__name__}) of a GGUF model: "
+                            f"{error}") from error
+    parent, _, leaf = name.rpartition(".")
+    setattr(hf.get_submodule(parent) if parent else hf, leaf, fresh)
+
+
+def _float(tensors: GgufTensors, name: str) -> torch.Tensor:
+    info = tensors.infos[name]
+    values = dequantize(tensors.bytes_of(name), GGMLQuantizationType(info.ggml_type))
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1))
+
+
+def _set(hf: Any, name: str, value: torch.nn.Parameter) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(hf.get_submodule(parent), leaf, value)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

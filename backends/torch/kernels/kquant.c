@@ -1,0 +1,393 @@
+/* kquant: GGUF weights (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with the values the file
+ * stores, times 8-bit activations on AVX-512 VNNI; each row alone, in tiles of 16 output rows.
+ *
+ * Knows: ggml's block layouts of those types (read once at load by kq_pack),
+ * the tiled layout below, the per-group activation quantization. Must not know: torch, models,
+ * sessions. Called through ctypes from backends/torch/kquant.py.
+ *
+ * Why not ggml's own dot products (which kernels/ggml_linear.c calls): they are written for
+ * one activation row, so every extra row of a verify block unpacks every weight again; here
+ * a tile's codes are unpacked once and multiply up to 4 rows from registers.
+ *
+ * Packed tile (16 output rows), group after group of 32 inputs; a K-quant's groups come in
+ * super-blocks of 8 after a header of 16 float32 `d` (Q4_K: then 16 float32 `dmin`). A group:
+ * 256 bytes of the codes' low nibbles (as w4a8.c lays them: load p, lane o holds inputs
+ * 4p..4p+3 of row o in its low nibbles and 16+4p.. in its high ones); the codes' higher bits
+ * (Q5_x, Q6_K: 128 bytes of 2 bits, load h, byte (o, i), bits 2q..2q+1 for vector 4h+q;
+ * Q8_0: 256 bytes of high nibbles laid out as the low ones); then the group's parameters:
+ * Q4_K 16 6-bit scales and 16 6-bit mins; Q6_K 16 int8 scales of inputs 0..15 and 16 of
+ * inputs 16..31; legacy types 16 float32 d (Q4_1, Q5_1: and 16 float32 m). Every value is the
+ * file's: w = d*sc*q - dmin*m (Q4_K), d*sc*(q - 32) (Q6_K), d*(q - offset) or d*q + m
+ * (legacy; Q8_0's signed codes stored plus 128), each product exact in float32.
+ *
+ * Activations: each row, each group of 32, to int8 with its own scale a (max |x| / 127),
+ * with a times the codes' sums of each half. The integer dot products are exact and every row
+ * runs the same instructions in the same order whatever the row count: a row gets its one-row
+ * bits in any verify block.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16
+#define GROUP 32
+#define SUPER 256
+#define MAX_ROWS 16
+#define Q4_0 2
+#define Q4_1 3
+#define Q5_0 6
+#define Q5_1 7
+#define Q8_0 8
+#define Q4K 12
+#define Q6K 14
+
+static int is_k(int type) { return type == Q4K || type == Q6K; }
+/* bits of code above the low nibble, stored in a plane after it */
+static int high_bits(int type) {
+    return type == Q8_0 ? 4 : (type == Q5_0 || type == Q5_1 || type == Q6K) ? 2 : 0;
+}
+static int param_bytes(int type) {
+    return (type == Q4_1 || type == Q5_1) ? 128 : is_k(type) ? 32 : 64;
+}
+/* a K-quant super-block's header: d (and dmin) per output row of the tile */
+static int header_bytes(int type) { return type == Q4K ? 128 : type == Q6K ? 64 : 0; }
+static int group_bytes(int type) { return 256 + 64 * high_bits(type) + param_bytes(type); }
+static int block_elems(int type) { return is_k(type) ? SUPER : GROUP; }
+
+static size_t tile_bytes(int type, int k) {
+    int groups = k / GROUP;
+    return (size_t)groups * group_bytes(type) + (size_t)(groups / 8) * header_bytes(type);
+}
+
+static int supported(int type, int n, int k) {
+    int known = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ||
+                is_k(type);
+    return known && n % TILE == 0 && k % block_elems(type) == 0;
+}
+
+size_t kq_packed_bytes(int type, int n, int k) {
+    return supported(type, n, k) ? (size_t)(n / TILE) * tile_bytes(type, k) : 0;
+}
+
+static float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+static float read_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* ---- unpacking the file's blocks: codes, and the parameters of each group of 32 ---- */
+
+/* What one output row holds for one group of 32 inputs. */
+struct group {
+    uint8_t codes[GROUP];
+    uint8_t p0, p1;   /* K-quants: Q4_K scale and min, Q6_K the two halves' scales */
+    float d, m;       /* legacy: scale and offset (w = d*code + m) */
+};
+
+static void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* one 144-byte Q4_K block -> 8 groups; its d and dmin */
+static void unpack_q4k(const uint8_t *b, struct group *g, float *d, float *dmin) {
+    *d = read_half(b);
+    *dmin = read_half(b + 2);
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    for (int c = 0; c < 4; c++) {
+        q4k_scale_min(2 * c, scales, &g[2 * c].p0, &g[2 * c].p1);
+        q4k_scale_min(2 * c + 1, scales, &g[2 * c + 1].p0, &g[2 * c + 1].p1);
+        for (int l = 0; l < 32; l++) {
+            g[2 * c].codes[l] = qs[32 * c + l] & 0xF;
+            g[2 * c + 1].codes[l] = qs[32 * c + l] >> 4;
+        }
+    }
+}
+
+/* one 210-byte Q6_K block -> 8 groups (codes 0..63, two int8 scales each); its d */
+static void unpack_q6k(const uint8_t *b, struct group *g, float *d) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    *d = read_half(b + 208);
+    uint8_t y[SUPER];
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *l0 = ql + 64 * half, *h0 = qh + 32 * half;
+        uint8_t *yh = y + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            yh[l] = (l0[l] & 0xF) | (((h0[l] >> 0) & 3) << 4);
+            yh[l + 32] = (l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4);
+            yh[l + 64] = (l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4);
+            yh[l + 96] = (l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        memcpy(g[j].codes, y + GROUP * j, GROUP);
+        g[j].p0 = (uint8_t)sc[2 * j];
+        g[j].p1 = (uint8_t)sc[2 * j + 1];
+    }
+}
+
+/* one legacy block of 32 -> its codes (unsigned) and w = d*code + m */
+static void unpack_legacy(int type, const uint8_t *b, struct group *g) {
+    float d = read_half(b);
+    int has_min = type == Q4_1 || type == Q5_1;
+    const uint8_t *qs = b + (has_min ? 4 : 2);
+    uint32_t qh = 0;
+    if (type == Q5_0 || type == Q5_1) {
+        memcpy(&qh, qs, 4);
+        qs += 4;
+    }
+    g->d = d;
+    for (int j = 0; j < 16 && type != Q8_0; j++) {
+        g->codes[j] = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+        g->codes[j + 16] = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+    }
+    if (type == Q8_0)
+        for (int j = 0; j < GROUP; j++)
+            g->codes[j] = (uint8_t)((int8_t)qs[j] + 128);
+    float offset = type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : type == Q8_0 ? 128.0f : 0.0f;
+    g->m = has_min ? read_half(b + 2) : -offset * d;
+}
+
+static int stored_block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4K: return 144;
+    default: return 210;
+    }
+}
+
+/* Lay out one group of 16 rows: nibbles, high plane, parameters. */
+static void put_group(int type, struct group *g[TILE], uint8_t *out) {
+    for (int p = 0; p < 4; p++)
+        for (int o = 0; o < TILE; o++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *c = g[o]->codes;
+                out[64 * p + 4 * o + i] =
+                    (uint8_t)((c[4 * p + i] & 0xF) | ((c[16 + 4 * p + i] & 0xF) << 4));
+            }
+    uint8_t *hi = out + 256;
+    if (high_bits(type) == 4)  /* the high nibbles, laid out as the low ones */
+        for (int p = 0; p < 4; p++)
+            for (int o = 0; o < TILE; o++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *c = g[o]->codes;
+                    hi[64 * p + 4 * o + i] = (uint8_t)((c[4 * p + i] >> 4) |
+                                                       ((c[16 + 4 * p + i] >> 4) << 4));
+                }
+    if (high_bits(type) == 2) {  /* load h, byte (o, i), bits 2q..: vector 4h + q */
+        memset(hi, 0, 128);
+        for (int v = 0; v < 8; v++)
+            for (int o = 0; o < TILE; o++)
+                for (int i = 0; i < 4; i++) {
+                    int input = v < 4 ? 4 * v + i : 16 + 4 * (v - 4) + i;
+                    uint8_t bits = (uint8_t)((g[o]->codes[input] >> 4) & 3);
+                    hi[64 * (v / 4) + 4 * o + i] |= (uint8_t)(bits << (2 * (v % 4)));
+                }
+    }
+    uint8_t *params = hi + 64 * high_bits(type);
+    for (int o = 0; o < TILE; o++) {
+        if (is_k(type)) {
+            params[o] = g[o]->p0;
+            params[16 + o] = g[o]->p1;
+        } else {
+            memcpy(params + 4 * o, &g[o]->d, 4);
+            if (param_bytes(type) == 128)
+                memcpy(params + 64 + 4 * o, &g[o]->m, 4);
+        }
+    }
+}
+
+/* Pack n rows of k inputs stored as `type` blocks (src, row after row) into dst. */
+int kq_pack(int type, const uint8_t *src, int n, int k, uint8_t *dst) {
+    if (!supported(type, n, k))
+        return -1;
+    int blocks = k / block_elems(type), block = stored_block_bytes(type);
+    size_t row_bytes = (size_t)blocks * block;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n / TILE; t++) {
+        struct group groups[TILE][8], *column[TILE];
+        float d[TILE], dmin[TILE];
+        uint8_t *out = dst + (size_t)t * tile_bytes(type, k);
+        for (int s = 0; s < blocks; s++) {
+            for (int o = 0; o < TILE; o++) {
+                const uint8_t *b = src + (size_t)(t * TILE + o) * row_bytes + (size_t)s * block;
+                if (type == Q4K)
+                    unpack_q4k(b, groups[o], &d[o], &dmin[o]);
+                else if (type == Q6K)
+                    unpack_q6k(b, groups[o], &d[o]);
+                else
+                    unpack_legacy(type, b, &groups[o][0]);
+            }
+            if (is_k(type)) {
+                memcpy(out, d, sizeof d);
+                if (type == Q4K)
+                    memcpy(out + 64, dmin, sizeof dmin);
+                out += header_bytes(type);
+            }
+            for (int j = 0; j < (is_k(type) ? 8 : 1); j++, out += group_bytes(type)) {
+                for (int o = 0; o < TILE; o++)
+                    column[o] = &groups[o][j];
+                put_group(type, column, out);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- the multiply ---- */
+
+/* Row x [k] float32 to int8 codes; per group its scale a and a times each half's code sum. */
+static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b0, float *b1) {
+    for (int g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+        a[g] = d;
+        b0[g] = d * (float)_mm512_reduce_add_epi32(qlo);
+        b1[g] = d * (float)_mm512_reduce_add_epi32(qhi);
+    }
+}
+
+struct rows {
+    const int8_t *q;
+    const float *a, *b0, *b1;
+    int k, groups;
+};
+
+/* A group's weights as ws * code + z per half, for 16 output rows: from the K-quant
+ * header (d, dmin) and the group's small scales, or the legacy group's own d and m. */
+static inline void group_params(int type, const uint8_t *params, __m512 d, __m512 dmin,
+                                __m512 *ws0, __m512 *ws1, __m512 *z0, __m512 *z1) {
+    if (type == Q6K) {
+        *ws0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128((const __m128i *)params))));
+        *ws1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(params + 16)))));
+        *z0 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws0);
+        *z1 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws1);
+    } else if (type == Q4K) {
+        *ws0 = *ws1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                           _mm_loadu_si128((const __m128i *)params))));
+        __m512 m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                           _mm_loadu_si128((const __m128i *)(params + 16)))));
+        *z0 = *z1 = _mm512_sub_ps(_mm512_setzero_ps(), m);
+    } else {
+        *ws0 = *ws1 = _mm512_loadu_ps((const float *)params);
+        float offset = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : -128.0f;
+        *z0 = *z1 = param_bytes(type) == 128 ? _mm512_loadu_ps((const float *)params + 16)
+                                              : _mm512_mul_ps(_mm512_set1_ps(offset), *ws0);
+    }
+}
+
+/* For NR rows from r0 and tile t: out[r][t*16 ..] = the tile's dot products. */
+#define TILE_ROWS(NR)                                                                          \
+    static void tile_rows_##NR(int type, const uint8_t *w, struct rows x, int r0, int t,       \
+                               const float *bias, float *out, int n) {                          \
+        __m512 acc[NR];                                                                        \
+        for (int r = 0; r < NR; r++)                                                           \
+            acc[r] = _mm512_setzero_ps();                                                      \
+        const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);                 \
+        const uint8_t *block = w + (size_t)t * tile_bytes(type, x.k);                          \
+        int hb = high_bits(type);                                                              \
+        __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();                            \
+        for (int g = 0; g < x.groups; g++) {                                                   \
+            if (is_k(type) && g % 8 == 0) {                                                    \
+                d = _mm512_loadu_ps((const float *)block);                                     \
+                if (type == Q4K)                                                               \
+                    dmin = _mm512_loadu_ps((const float *)block + 16);                         \
+                block += header_bytes(type);                                                   \
+            }                                                                                  \
+            __m512i c[8];                                                                      \
+            for (int p = 0; p < 4; p++) {                                                      \
+                __m512i v = _mm512_loadu_si512((const void *)(block + 64 * p));                \
+                c[p] = _mm512_and_si512(v, nib);                                               \
+                c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                     \
+            }                                                                                  \
+            if (hb == 4)                                                                       \
+                for (int p = 0; p < 4; p++) {                                                  \
+                    __m512i v = _mm512_loadu_si512((const void *)(block + 256 + 64 * p));      \
+                    c[p] = _mm512_or_si512(c[p], _mm512_slli_epi16(_mm512_and_si512(v, nib), 4)); \
+                    c[p + 4] = _mm512_or_si512(c[p + 4], _mm512_andnot_si512(nib, v));         \
+                }                                                                              \
+            if (hb == 2)                                                                       \
+                for (int h = 0; h < 2; h++) {                                                  \
+                    __m512i v = _mm512_loadu_si512((const void *)(block + 256 + 64 * h));      \
+                    for (int q = 0; q < 4; q++)                                                \
+                        c[4 * h + q] = _mm512_or_si512(                                        \
+                            c[4 * h + q],                                                      \
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 2 * q), two), \
+                                              4));                                             \
+                }                                                                              \
+            __m512 ws0, ws1, z0, z1;                                                           \
+            group_params(type, block + 256 + 64 * hb, d, dmin, &ws0, &ws1, &z0, &z1);          \
+            block += group_bytes(type);                                                        \
+            for (int r = 0; r < NR; r++) {                                                     \
+                int row = r0 + r;                                                              \
+                const int32_t *qa = (const int32_t *)(x.q + (size_t)row * x.k + g * GROUP);    \
+                __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();              \
+                for (int j = 0; j < 4; j++) {                                                  \
+                    lo = _mm512_dpbusd_epi32(lo, c[j], _mm512_set1_epi32(qa[j]));              \
+                    hi = _mm512_dpbusd_epi32(hi, c[j + 4], _mm512_set1_epi32(qa[j + 4]));      \
+                }                                                                              \
+                size_t at = (size_t)row * x.groups + g;                                        \
+                __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), ws0);                      \
+                part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), ws1, part);                     \
+                acc[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(x.a[at]), acc[r]);               \
+                acc[r] = _mm512_fmadd_ps(z0, _mm512_set1_ps(x.b0[at]), acc[r]);                \
+                acc[r] = _mm512_fmadd_ps(z1, _mm512_set1_ps(x.b1[at]), acc[r]);                \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < NR; r++) {                                                         \
+            __m512 v = acc[r];                                                                 \
+            if (bias)                                                                          \
+                v = _mm512_add_ps(v, _mm512_loadu_ps(bias + t * TILE));                        \
+            _mm512_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE, v);                        \
+        }                                                                                      \
+    }
+TILE_ROWS(1)
+TILE_ROWS(2)
+TILE_ROWS(3)
+TILE_ROWS(4)
+
+/* out [rows, n] (row stride out_stride) = x [rows, k] float32 times the packed weight, plus
+ * bias (or NULL); rows <= MAX_ROWS. scratch: rows*k bytes plus 3*rows*k/GROUP floats. */
+int kq_matmul(int type, const uint8_t *w, int n, int k, const float *x, int rows,
+              const float *bias, float *out, int out_stride, void *scratch) {
+    if (rows < 1 || rows > MAX_ROWS || !supported(type, n, k))
+        return -1;
+    int groups = k / GROUP;
+    int8_t *q = (int8_t *)scratch;
+    float *a = (float *)(q + (size_t)rows * k), *b0 = a + rows * groups, *b1 = b0 + rows * groups;
+    for (int r = 0; r < rows; r++)
+        quantize_row(x + (size_t)r * k, k, q + (size_t)r * k, a + r * groups, b0 + r * groups,
+                     b1 + r * groups);
+    struct rows xs = {q, a, b0, b1, k, groups};
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n / TILE; t++)
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            switch (rows - r0 < 4 ? rows - r0 : 4) {
+            case 1: tile_rows_1(type, w, xs, r0, t, bias, out, out_stride); break;
+            case 2: tile_rows_2(type, w, xs, r0, t, bias, out, out_stride); break;
+            case 3: tile_rows_3(type, w, xs, r0, t, bias, out, out_stride); break;
+            default: tile_rows_4(type, w, xs, r0, t, bias, out, out_stride); break;
+            }
+        }
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""GGUF tensors (Q4_K, Q6_K and the legacy Q4/Q5/Q8 types), repacked once at load into the
+tiles that the VNNI kernel in kernels/kquant.c multiplies several rows through at once.
+
+Knows: the kernel's build (system C compiler, cached per machine like w4a8's) and calls
+through ctypes. Must not know: models, GGUF parsing (the caller hands over a tensor's stored
+bytes), sessions.
+
+Why: ggml's dot products (ggml.py) read one activation row per call, so a verify block of 8
+rows costs about 8 one-row unpackings of every weight; this kernel unpacks a tile once per 4
+rows. The values are the file's own (float32 products of its fp16 and 6-bit scales), so
+repacking changes the layout only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.cpu import cpu_has_w4a8
+from backends.torch.w4a8 import _cache_dir, _compiler
+
+_SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
+_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512vnni", "-mfma", "-mf16c")
+Q4_K, Q6_K = 12, 14
+TYPES = frozenset({2, 3, 6, 7, 8, Q4_K, Q6_K})  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K
+TILE, SUPER, GROUP, MAX_ROWS = 16, 256, 32, 16
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kquant-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", str(built)],
+                           check=True, capture_output=True, text=True)
+            os.replace(built, target)  # a half-written library never looks built
+    library = ctypes.CDLL(str(target))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    library.kq_packed_bytes.argtypes = [i, i, i]
+    library.kq_packed_bytes.restype = ctypes.c_size_t
+    library.kq_pack.argtypes = [i, p, i, i, p]
+    library.kq_matmul.argtypes = [i, p, i, i, p, i, p, p, i, p]
+    return library
+
+
+@functools.cache
+def is_available() -> bool:
+    """Whether the kernel builds and runs here (AVX-512 VNNI and a C compiler)."""
+    if not cpu_has_w4a8() or _compiler() is None:
+        return False
+    try:
+        _library()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
+def can_take(ggml_type: int, out_features: int, in_features: int) -> bool:
+    block = SUPER if ggml_type in (Q4_K, Q6_K) else GROUP
+    return (ggml_type in TYPES and out_features % TILE == 0 and in_features % block == 0
+            and is_available())
+
+
+def pack(ggml_type: int, stored: np.ndarray, out_features: int, in_features: int) -> np.ndarray:
+    """The kernel's tiles of a tensor given as its stored bytes (rows of blocks)."""
+    library = _library()
+    packed = np.empty(library.kq_packed_bytes(ggml_type, out_features, in_features), np.uint8)
+    source = np.ascontiguousarray(stored)
+    if library.kq_pack(ggml_type, source.ctypes.data, out_features, in_features,
+                       packed.ctypes.data) != 0:
+        raise ValueError(f"kquant cannot pack a {out_features}x{in_features} tensor")
+    return packed
+
+
+def matmul(ggml_type: int, packed: np.ndarray, out_features: int, x: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, column: int) -> None:
+    """out[:, column:column+out_features] = x (float32 [rows, in]) times the packed weight."""
+    rows, in_features = x.shape
+    library = _library()
+    scratch = np.empty(MAX_ROWS * in_features + 12 * MAX_ROWS * (in_features // 32), np.uint8)
+    stride = out.shape[1]
+    for start in range(0, rows, MAX_ROWS):
+        chunk = x[start:start + MAX_ROWS]
+        target = out.data_ptr() + 4 * (start * stride + column)
+        status = library.kq_matmul(ggml_type, packed.ctypes.data, out_features, in_features,
+                                   chunk.data_ptr(), chunk.shape[0],
+                                   0 if bias is None else bias.data_ptr(), target, stride,
+                                   scratch.ctypes.data)
+        if status != 0:
+            raise ValueError(f"kquant cannot multiply {rows} rows of {in_features}")

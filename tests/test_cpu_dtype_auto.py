@@ -11,7 +11,7 @@ from gguf import GGUFWriter
 
 from backends.gguf_header import file_type
 from backends.torch import backend as torch_backend
-from backends.torch import ggml, w4a8
+from backends.torch import gguf_model, w4a8
 from backends.torch.backend import TorchBackend, auto_cpu_dtype
 from tests.tiny import save_hf_folder, tiny_llama
 
@@ -19,7 +19,7 @@ from tests.tiny import save_hf_folder, tiny_llama
 @pytest.fixture(autouse=True)
 def _no_ggml(monkeypatch):
     """The choices below ggml's: what auto picks on a machine without llama-cpp-python."""
-    monkeypatch.setattr(ggml, "is_available", lambda: False)
+    monkeypatch.setattr(gguf_model, "unavailable_reason", lambda: "no kernel (test)")
 
 
 def _gguf(path: Path, ftype: int) -> Path:
@@ -50,7 +50,7 @@ def test_a_file_that_is_not_a_gguf_has_no_file_type(tmp_path):
 @pytest.mark.parametrize("ftype", [15, 7, 1])
 def test_auto_computes_any_gguf_on_its_own_blocks_where_ggml_is_installed(tmp_path, monkeypatch,
                                                                           ftype):
-    monkeypatch.setattr(ggml, "is_available", lambda: True)
+    monkeypatch.setattr(gguf_model, "unavailable_reason", lambda: None)
     dtype, why = auto_cpu_dtype(_gguf(tmp_path / "m.gguf", ftype))
     assert dtype == "gguf" and "own" in why and "nothing converted" in why
 

@@ -28,7 +28,7 @@ from backends.cpu import cpu_has_native_bf16
 from backends.gguf import CONVERTED_SUFFIX, metadata_folder
 from backends.gguf_header import file_type
 from backends.torch import attention as torch_attention
-from backends.torch import ggml, w4a8
+from backends.torch import gguf_model, w4a8
 from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
@@ -101,9 +101,8 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "w4a8" and not w4a8.is_available():
         why = w4a8.unavailable_reason() or "its kernel did not build"
         raise SpecdeckError(f"--dtype w4a8 cannot run here: {why}; use --dtype int4")
-    if dtype == "gguf" and not ggml.is_available():
-        why = ggml.unavailable_reason() or "its shim did not build"
-        raise SpecdeckError(f"--dtype gguf cannot run here: {why}")
+    if dtype == "gguf" and gguf_model.unavailable_reason() is not None:
+        raise SpecdeckError(f"--dtype gguf cannot run here: {gguf_model.unavailable_reason()}")
     if dtype == "w8a8" and not w8a8_is_exact():
         raise SpecdeckError("this CPU's int8 matmul saturates (no VNNI), so w8a8 would not be "
                             "lossless: use --dtype int8 (weight-only) instead")
@@ -121,10 +120,10 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
     than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
     decoding: see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
     source = file_type(path) if path.suffix == ".gguf" else None
-    if path.suffix == ".gguf" and ggml.is_available():
+    if path.suffix == ".gguf" and gguf_model.unavailable_reason() is None:
         name = source[0] if source else "GGUF"
-        return "gguf", (f"gguf: the file's own {name} blocks, memory-mapped, on llama.cpp's "
-                        "kernels (ggml): the model you downloaded, nothing converted")
+        return "gguf", (f"gguf: the file's own {name} blocks times 8-bit activations, as "
+                        "llama.cpp computes them: the model you downloaded, nothing converted")
     if source is None:
         base = "bfloat16" if cpu_has_native_bf16() else "float32"
         return base, f"{base}: a 16-bit or wider source stays unquantized"

@@ -2,10 +2,12 @@
 
 Knows: transformers' GGUF name map (gguf tensor name <-> HF parameter name), the fused
 projection layout of fuse.py, llama.cpp's row order for LLaMA's query and key weights, the
-layers of ggml.py. Must not know: sessions, drafting, dtypes other than the file's own.
+layers of gguf_layers.py and which kernel takes a tensor. Must not know: sessions, drafting,
+dtypes other than the file's own.
 
 The model is built on the meta device from the GGUF's config, then each linear layer becomes
-a GgmlLinear over the file's memory-mapped blocks, the embedding a GgmlEmbedding, and the few
+a GgufLinear (kquant's tiles repacked from the file's blocks, or ggml on the memory-mapped
+blocks themselves), the embedding a GgufEmbedding on the mapped table, and the few
 small tensors left (norms, biases: F32 in the file) are read as float32. Nothing the size of
 the weights is allocated, dequantized or written.
 """
@@ -26,13 +28,20 @@ from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_h
 from app.core.types import SpecdeckError
 from backends.gguf import metadata_folder
 from backends.gguf_tensors import GgufTensors, open_tensors
-from backends.torch import kquant
+from backends.torch import ggml, kquant
 from backends.torch.fuse import GROUPS, FusedProjection, ProjectionSlice
-from backends.torch.ggml import GgmlEmbedding, GgmlLinear, Part, can_compute
+from backends.torch.gguf_layers import GgufEmbedding, GgufLinear, Part
 
 # GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
 # layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
 PERMUTED_QK = frozenset({"llama"})
+
+
+def unavailable_reason() -> str | None:
+    """Why no kernel here computes on GGUF blocks, or None."""
+    if kquant.is_available() or ggml.is_available():
+        return None
+    return f"this CPU lacks AVX512-VNNI (specdeck's kernel) and {ggml.unavailable_reason()}"
 
 
 def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple[Any, Any]:
@@ -62,10 +71,10 @@ def stored_bytes(hf: Any) -> int:
 
 def _stored(module: torch.nn.Module) -> list[tuple[int, int]]:
     """(address, bytes) of what a layer keeps: its kquant tiles, or the file's blocks."""
-    if isinstance(module, GgmlLinear):
+    if isinstance(module, GgufLinear):
         return [(id(p.packed), p.packed.nbytes) if p.packed is not None
                 else (p.data.ctypes.data, p.data.nbytes) for p in module.parts]
-    if isinstance(module, GgmlEmbedding):
+    if isinstance(module, GgufEmbedding):
         return [(module.data.ctypes.data, module.data.nbytes)]
     return []
 
@@ -85,14 +94,14 @@ def _hf_names(hf: Any, tensors: GgufTensors) -> dict[str, str]:
 
 
 def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
-    """Every nn.Linear becomes a GgmlLinear; q/k/v and gate/up become one fused layer each."""
+    """Every nn.Linear becomes a GgufLinear; q/k/v and gate/up become one fused layer each."""
     prefix = {m: n for n, m in hf.named_modules()}
     for module in list(hf.modules()):
         _fuse_groups(module, prefix[module], hf.config, tensors, names)
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 part = _part(f"{_join(prefix[module], child_name)}", hf.config, tensors, names)
-                setattr(module, child_name, GgmlLinear([part]))
+                setattr(module, child_name, GgufLinear([part]))
 
 
 def _fuse_groups(module: torch.nn.Module, name: str, config: Any, tensors: GgufTensors,
@@ -102,7 +111,7 @@ def _fuse_groups(module: torch.nn.Module, name: str, config: Any, tensors: GgufT
         if not all(isinstance(layer, torch.nn.Linear) for layer in layers):
             continue
         parts = [_part(_join(name, child), config, tensors, names) for child in group]
-        fused = FusedProjection(GgmlLinear(parts), [p.out_features for p in parts])
+        fused = FusedProjection(GgufLinear(parts), [p.out_features for p in parts])
         module.add_module(fused_name, fused)
         for index, child in enumerate(group):
             setattr(module, child, ProjectionSlice(fused, index))
@@ -114,15 +123,17 @@ def _part(name: str, config: Any, tensors: GgufTensors, names: dict[str, str]) -
         raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}: the file does not "
                             "match its own config; download it again")
     info = tensors.infos[weight]
-    if not can_compute(info.ggml_type):
-        raise SpecdeckError(f"{tensors.path.name}: ggml has no CPU kernel for {info.type_name} "
-                            f"({weight})")
     order = _qk_order(weight, config, tensors.architecture)
+    packed = _packed(tensors, weight, order)
+    if packed is None and not ggml.can_compute(info.ggml_type):
+        why = ggml.unavailable_reason() or f"ggml has no CPU kernel for {info.type_name}"
+        raise SpecdeckError(f"{tensors.path.name}: {weight} is {info.type_name}, which "
+                            f"specdeck's own kernel does not compute on this CPU, and {why}")
     bias_name = names.get(f"{name}.bias")
     bias = None if bias_name is None else _float(tensors, bias_name)
     if bias is not None and order is not None:
         bias = bias[torch.from_numpy(order).long()]
-    return Part(tensors.bytes_of(weight), info, order, bias, _packed(tensors, weight, order))
+    return Part(tensors.bytes_of(weight), info, order, bias, packed)
 
 
 def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.ndarray | None:
@@ -159,7 +170,7 @@ def _attach_rest(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
     buffers computed at init (rotary frequencies) computed again off the meta device."""
     embed = hf.get_input_embeddings()
     embed_name = names.get(next(n for n, m in hf.named_modules() if m is embed) + ".weight")
-    hf.set_input_embeddings(GgmlEmbedding(tensors, embed_name or "token_embd.weight"))
+    hf.set_input_embeddings(GgufEmbedding(tensors, embed_name or "token_embd.weight"))
     for name, param in list(hf.named_parameters()):
         if name not in names:
             raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}")

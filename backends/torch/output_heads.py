@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from backends.torch import w4a8
-from backends.torch.ggml import GgmlLinear
+from backends.torch.gguf_layers import GgufLinear
 from backends.torch.quant import Int8Linear, W8A8Linear
 
 # config fields of models whose logits are scaled or capped after the output layer (Gemma's
@@ -32,7 +32,7 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("ids", ids)
         self.vocab_size = vocab_size
         self.sub: torch.nn.Module
-        if isinstance(head, (Int8Linear, W8A8Linear, GgmlLinear)):
+        if isinstance(head, (Int8Linear, W8A8Linear, GgufLinear)):
             self.sub = head.rows(ids)
         else:
             self.sub = torch.nn.Linear(head.in_features, len(ids), bias=head.bias is not None,

@@ -15,7 +15,6 @@
 typedef void (*from_float_t)(const float *x, void *y, int64_t k);
 typedef void (*vec_dot_t)(int n, float *s, size_t bs, const void *x, size_t bx,
                           const void *y, size_t by, int nrc);
-typedef void (*to_float_t)(const void *x, float *y, int64_t k);
 
 struct type_traits_cpu { /* ggml-cpu.h: struct ggml_type_traits_cpu */
     from_float_t from_float;
@@ -24,18 +23,7 @@ struct type_traits_cpu { /* ggml-cpu.h: struct ggml_type_traits_cpu */
     int64_t nrows;
 };
 
-struct type_traits { /* ggml.h: struct ggml_type_traits */
-    const char *type_name;
-    int64_t blck_size;
-    int64_t blck_size_interleave;
-    size_t type_size;
-    _Bool is_quantized;
-    to_float_t to_float;
-    from_float_t from_float_ref;
-};
-
 extern const struct type_traits_cpu *ggml_get_type_traits_cpu(int type);
-extern const struct type_traits *ggml_get_type_traits(int type);
 extern size_t ggml_row_size(int type, int64_t ne);
 extern void ggml_cpu_init(void);
 
@@ -84,16 +72,5 @@ int gl_matmul(int type, const uint8_t *w, const int32_t *order, int n, int k, co
             }
         }
     }
-    return 0;
-}
-
-/* The float32 values of weight rows ids[0..n) (an embedding lookup), each row alone. */
-int gl_rows(int type, const uint8_t *w, int k, const int64_t *ids, int n, float *out) {
-    const struct type_traits *t = ggml_get_type_traits(type);
-    if (!t || !t->to_float)
-        return -1;
-    size_t w_row = ggml_row_size(type, k);
-    for (int i = 0; i < n; i++)
-        t->to_float(w + (size_t)ids[i] * w_row, out + (size_t)i * k, k);
     return 0;
 }

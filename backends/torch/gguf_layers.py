@@ -1,0 +1,114 @@
+"""Linear layers and embeddings over a GGUF file's own tensors.
+
+Knows: byte views of memory-mapped tensors (backends/gguf_tensors.py), which kernel computes
+a tensor (kquant.py's VNNI tiles where it takes the type, else ggml.py's dot products), the
+gguf package's dequantization (embedding rows). Must not know: models' architectures,
+sessions, drafting.
+
+Each tensor is computed by one kernel, chosen at load from its type and shape only, and both
+kernels give a row the same bits whatever the rows beside it: speculation stays lossless.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import dequantize
+from gguf.constants import GGMLQuantizationType
+
+from backends.gguf_tensors import GgufTensors, TensorInfo
+from backends.torch import ggml, kquant
+
+F32 = 0
+
+
+class Part:
+    """One stored weight tensor (or a row selection of it) inside a GgufLinear: computed on
+    kquant's tiles repacked from it (`packed`), or on the file's blocks by ggml."""
+
+    def __init__(self, data: np.ndarray, info: TensorInfo, order: np.ndarray | None = None,
+                 bias: torch.Tensor | None = None, packed: np.ndarray | None = None) -> None:
+        self.data, self.ggml_type, self.in_features = data, info.ggml_type, info.row_length
+        self.order = None if order is None else np.ascontiguousarray(order, dtype=np.int32)
+        self.out_features = info.rows if self.order is None else len(self.order)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.packed = packed  # kquant tiles, rows in HF order; data is then never read
+        self._info = info
+
+    def rows(self, ids: np.ndarray) -> Part:
+        """The part restricted to its output rows ids."""
+        order = ids if self.order is None else self.order[ids]
+        bias = None if self.bias is None else self.bias[torch.as_tensor(ids)]
+        stored = self.data.reshape(self._info.rows, -1)
+        if self.packed is None and ggml.can_compute(self.ggml_type):
+            return Part(self.data, self._info, order, bias)  # no weights copied
+        rows = np.ascontiguousarray(stored[order])
+        info = TensorInfo(self._info.name, self.ggml_type, (self.in_features, len(order)), 0,
+                          rows.nbytes)
+        return Part(rows, info, None, bias, kquant.pack(self.ggml_type, rows, len(order),
+                                                        self.in_features))
+
+    def resident_bytes(self) -> int:
+        return int(self.packed.nbytes if self.packed is not None else self.data.nbytes)
+
+    def compute(self, x: torch.Tensor, out: torch.Tensor, column: int,
+                quantized: dict[int, np.ndarray]) -> None:
+        if self.packed is not None:
+            kquant.matmul(self.ggml_type, self.packed, self.out_features, x, self.bias, out,
+                          column)
+        else:
+            ggml.matmul(self.ggml_type, self.data, self.order, self.out_features, x, self.bias,
+                        out, column, quantized)
+
+
+class GgufLinear(torch.nn.Module):
+    """x [..., in] float -> [..., out] float32: the parts' outputs side by side."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("parts of one layer read inputs of one width")
+        self.parts = parts  # plain attribute: the file's bytes are no module state
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None
+
+    def rows(self, ids: torch.Tensor) -> GgufLinear:
+        """The layer restricted to output rows ids (one-part layers only)."""
+        if len(self.parts) != 1:
+            raise ValueError("only a one-part layer can be restricted to rows")
+        return GgufLinear([self.parts[0].rows(ids.cpu().numpy())])
+
+    def stored_bytes(self) -> int:
+        return sum(p.resident_bytes() for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
+        if flat.shape[0]:
+            quantized: dict[int, np.ndarray] = {}  # x per activation type, shared by parts
+            column = 0
+            for part in self.parts:
+                part.compute(flat, out, column, quantized)
+                column += part.out_features
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class GgufEmbedding(torch.nn.Module):
+    """Token ids -> float32 rows of a stored table, each row dequantized when looked up."""
+
+    def __init__(self, tensors: GgufTensors, name: str) -> None:
+        super().__init__()
+        self.info = tensors.infos[name]
+        self.data = tensors.bytes_of(name)
+        self.num_embeddings, self.embedding_dim = self.info.rows, self.info.row_length
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).numpy()
+        table = self.data.reshape(self.num_embeddings, -1)
+        values = dequantize(table[flat], GGMLQuantizationType(self.info.ggml_type))
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def stored_bytes(self) -> int:
+        return int(self.data.nbytes)

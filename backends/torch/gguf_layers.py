@@ -36,29 +36,42 @@ class Part:
         self._info = info
 
     def rows(self, ids: np.ndarray) -> Part:
-        """The part restricted to its output rows ids."""
+        """The part restricted to its output rows ids (a drafter's vocabulary subset)."""
         order = ids if self.order is None else self.order[ids]
         bias = None if self.bias is None else self.bias[torch.as_tensor(ids)]
-        stored = self.data.reshape(self._info.rows, -1)
-        if self.packed is None and ggml.can_compute(self.ggml_type):
-            return Part(self.data, self._info, order, bias)  # no weights copied
-        rows = np.ascontiguousarray(stored[order])
-        info = TensorInfo(self._info.name, self.ggml_type, (self.in_features, len(order)), 0,
+        if self.packed is None:
+            return Part(self.data, self._info, order, bias)  # ggml reads them in place
+        # kquant's tiles hold 16 rows: the last row repeats up to a tile, its outputs dropped
+        tiled = np.concatenate([order, np.repeat(order[-1:], -len(order) % kquant.TILE)])
+        rows = np.ascontiguousarray(self.data.reshape(self._info.rows, -1)[tiled])
+        info = TensorInfo(self._info.name, self.ggml_type, (self.in_features, len(tiled)), 0,
                           rows.nbytes)
-        return Part(rows, info, None, bias, kquant.pack(self.ggml_type, rows, len(order),
-                                                        self.in_features))
+        part = Part(rows.reshape(-1), info, None, bias,
+                    kquant.pack(self.ggml_type, rows, len(tiled), self.in_features))
+        part.out_features = len(order)
+        return part
 
     def resident_bytes(self) -> int:
         return int(self.packed.nbytes if self.packed is not None else self.data.nbytes)
 
     def compute(self, x: torch.Tensor, out: torch.Tensor, column: int,
                 quantized: dict[int, np.ndarray]) -> None:
-        if self.packed is not None:
+        if self.packed is None:
+            ggml.matmul(self.ggml_type, self.data, self.order, self.out_features, x, self.bias,
+                        out, column, quantized)
+        elif self.packed_rows == self.out_features:
             kquant.matmul(self.ggml_type, self.packed, self.out_features, x, self.bias, out,
                           column)
         else:
-            ggml.matmul(self.ggml_type, self.data, self.order, self.out_features, x, self.bias,
-                        out, column, quantized)
+            full = torch.empty((x.shape[0], self.packed_rows), dtype=torch.float32)
+            kquant.matmul(self.ggml_type, self.packed, self.packed_rows, x, None, full, 0)
+            part = full[:, :self.out_features]
+            out[:, column:column + self.out_features] = (part if self.bias is None
+                                                          else part + self.bias)
+
+    @property
+    def packed_rows(self) -> int:
+        return self._info.rows
 
 
 class GgufLinear(torch.nn.Module):

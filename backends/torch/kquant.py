@@ -1,4 +1,4 @@
-"""GGUF tensors (Q4_K, Q6_K and the legacy Q4/Q5/Q8 types), repacked once at load into the
+"""GGUF tensors (Q4_K, Q5_K, Q6_K and the legacy Q4/Q5/Q8 types), repacked once at load into the
 tiles that the VNNI kernel in kernels/kquant.c multiplies several rows through at once.
 
 Knows: the kernel's build (system C compiler, cached per machine like w4a8's) and calls
@@ -30,8 +30,9 @@ from backends.torch.w4a8 import _cache_dir, _compiler
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512vnni", "-mfma", "-mf16c")
-Q4_K, Q6_K = 12, 14
-TYPES = frozenset({2, 3, 6, 7, 8, Q4_K, Q6_K})  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})  # blocks of 256; the legacy types' are of 32
+TYPES = frozenset({2, 3, 6, 7, 8, *K_QUANTS})  # plus Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 TILE, SUPER, GROUP, MAX_ROWS = 16, 256, 32, 16
 
 
@@ -69,7 +70,7 @@ def is_available() -> bool:
 
 
 def can_take(ggml_type: int, out_features: int, in_features: int) -> bool:
-    block = SUPER if ggml_type in (Q4_K, Q6_K) else GROUP
+    block = SUPER if ggml_type in K_QUANTS else GROUP
     return (ggml_type in TYPES and out_features % TILE == 0 and in_features % block == 0
             and is_available())
 

@@ -1,4 +1,4 @@
-/* kquant: GGUF weights (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with the values the file
+/* kquant: GGUF weights (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with the values the file
  * stores, times 8-bit activations on AVX-512 VNNI; each row alone, in tiles of 16 output rows.
  *
  * Knows: ggml's block layouts of those types (read once at load by kq_pack),
@@ -10,14 +10,14 @@
  * a tile's codes are unpacked once and multiply up to 4 rows from registers.
  *
  * Packed tile (16 output rows), group after group of 32 inputs; a K-quant's groups come in
- * super-blocks of 8 after a header of 16 float32 `d` (Q4_K: then 16 float32 `dmin`). A group:
+ * super-blocks of 8 after a header of 16 float32 `d` (Q4_K, Q5_K: then 16 float32 `dmin`). A group:
  * 256 bytes of the codes' low nibbles (as w4a8.c lays them: load p, lane o holds inputs
  * 4p..4p+3 of row o in its low nibbles and 16+4p.. in its high ones); the codes' higher bits
- * (Q5_x, Q6_K: 128 bytes of 2 bits, load h, byte (o, i), bits 2q..2q+1 for vector 4h+q;
+ * (Q5_x, Q5_K, Q6_K: 128 bytes of 2 bits, load h, byte (o, i), bits 2q..2q+1 for vector 4h+q;
  * Q8_0: 256 bytes of high nibbles laid out as the low ones); then the group's parameters:
- * Q4_K 16 6-bit scales and 16 6-bit mins; Q6_K 16 int8 scales of inputs 0..15 and 16 of
+ * Q4_K, Q5_K 16 6-bit scales and 16 6-bit mins; Q6_K 16 int8 scales of inputs 0..15 and 16 of
  * inputs 16..31; legacy types 16 float32 d (Q4_1, Q5_1: and 16 float32 m). Every value is the
- * file's: w = d*sc*q - dmin*m (Q4_K), d*sc*(q - 32) (Q6_K), d*(q - offset) or d*q + m
+ * file's: w = d*sc*q - dmin*m (Q4_K, Q5_K), d*sc*(q - 32) (Q6_K), d*(q - offset) or d*q + m
  * (legacy; Q8_0's signed codes stored plus 128), each product exact in float32.
  *
  * Activations: each row, each group of 32, to int8 with its own scale a (max |x| / 127),
@@ -39,18 +39,21 @@
 #define Q5_1 7
 #define Q8_0 8
 #define Q4K 12
+#define Q5K 13
 #define Q6K 14
 
-static int is_k(int type) { return type == Q4K || type == Q6K; }
+static int is_k(int type) { return type == Q4K || type == Q5K || type == Q6K; }
+/* K-quants whose groups take a 6-bit scale and min under the header's d and dmin */
+static int has_min_k(int type) { return type == Q4K || type == Q5K; }
 /* bits of code above the low nibble, stored in a plane after it */
 static int high_bits(int type) {
-    return type == Q8_0 ? 4 : (type == Q5_0 || type == Q5_1 || type == Q6K) ? 2 : 0;
+    return type == Q8_0 ? 4 : (type == Q5_0 || type == Q5_1 || type == Q5K || type == Q6K) ? 2 : 0;
 }
 static int param_bytes(int type) {
     return (type == Q4_1 || type == Q5_1) ? 128 : is_k(type) ? 32 : 64;
 }
 /* a K-quant super-block's header: d (and dmin) per output row of the tile */
-static int header_bytes(int type) { return type == Q4K ? 128 : type == Q6K ? 64 : 0; }
+static int header_bytes(int type) { return has_min_k(type) ? 128 : type == Q6K ? 64 : 0; }
 static int group_bytes(int type) { return 256 + 64 * high_bits(type) + param_bytes(type); }
 static int block_elems(int type) { return is_k(type) ? SUPER : GROUP; }
 
@@ -96,17 +99,20 @@ static void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* one 144-byte Q4_K block -> 8 groups; its d and dmin */
-static void unpack_q4k(const uint8_t *b, struct group *g, float *d, float *dmin) {
+/* one 144-byte Q4_K or 176-byte Q5_K block -> 8 groups; its d and dmin. Q5_K's fifth bits
+ * sit in 32 bytes before the nibbles: bit 2c of byte l for group 2c, bit 2c+1 for 2c+1. */
+static void unpack_q45k(int type, const uint8_t *b, struct group *g, float *d, float *dmin) {
     *d = read_half(b);
     *dmin = read_half(b + 2);
-    const uint8_t *scales = b + 4, *qs = b + 16;
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == Q5K ? 48 : 16);
     for (int c = 0; c < 4; c++) {
         q4k_scale_min(2 * c, scales, &g[2 * c].p0, &g[2 * c].p1);
         q4k_scale_min(2 * c + 1, scales, &g[2 * c + 1].p0, &g[2 * c + 1].p1);
         for (int l = 0; l < 32; l++) {
-            g[2 * c].codes[l] = qs[32 * c + l] & 0xF;
-            g[2 * c + 1].codes[l] = qs[32 * c + l] >> 4;
+            int h0 = type == Q5K ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
+            int h1 = type == Q5K ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+            g[2 * c].codes[l] = (uint8_t)((qs[32 * c + l] & 0xF) | h0);
+            g[2 * c + 1].codes[l] = (uint8_t)((qs[32 * c + l] >> 4) | h1);
         }
     }
 }
@@ -164,6 +170,7 @@ static int stored_block_bytes(int type) {
     case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4K: return 144;
+    case Q5K: return 176;
     default: return 210;
     }
 }
@@ -223,8 +230,8 @@ int kq_pack(int type, const uint8_t *src, int n, int k, uint8_t *dst) {
         for (int s = 0; s < blocks; s++) {
             for (int o = 0; o < TILE; o++) {
                 const uint8_t *b = src + (size_t)(t * TILE + o) * row_bytes + (size_t)s * block;
-                if (type == Q4K)
-                    unpack_q4k(b, groups[o], &d[o], &dmin[o]);
+                if (has_min_k(type))
+                    unpack_q45k(type, b, groups[o], &d[o], &dmin[o]);
                 else if (type == Q6K)
                     unpack_q6k(b, groups[o], &d[o]);
                 else
@@ -232,7 +239,7 @@ int kq_pack(int type, const uint8_t *src, int n, int k, uint8_t *dst) {
             }
             if (is_k(type)) {
                 memcpy(out, d, sizeof d);
-                if (type == Q4K)
+                if (has_min_k(type))
                     memcpy(out + 64, dmin, sizeof dmin);
                 out += header_bytes(type);
             }
@@ -282,7 +289,7 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
                                     _mm_loadu_si128((const __m128i *)(params + 16)))));
         *z0 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws0);
         *z1 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws1);
-    } else if (type == Q4K) {
+    } else if (has_min_k(type)) {
         *ws0 = *ws1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                            _mm_loadu_si128((const __m128i *)params))));
         __m512 m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -310,7 +317,7 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
         for (int g = 0; g < x.groups; g++) {                                                   \
             if (is_k(type) && g % 8 == 0) {                                                    \
                 d = _mm512_loadu_ps((const float *)block);                                     \
-                if (type == Q4K)                                                               \
+                if (has_min_k(type))                                                           \
                     dmin = _mm512_loadu_ps((const float *)block + 16);                         \
                 block += header_bytes(type);                                                   \
             }                                                                                  \

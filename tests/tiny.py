@@ -6,8 +6,10 @@ that build models, so numpy-only test modules collect and run without torch.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -55,3 +57,62 @@ def mlx_twin(model: TorchModel, folder: Path):
     pytest.importorskip("mlx_lm")
     from backends.mlx.backend import MlxBackend
     return MlxBackend().load(str(save_hf_folder(model, folder)), device="cpu", dtype="float32")
+
+
+def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
+    """A tiny llama's weights as a GGUF file, its matrices quantized to `kind` (a legacy type
+    the gguf package quantizes), norms in F32, query and key rows in llama.cpp's order; its
+    config and tokenizer go where the torch backend's first load would put them."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from backends.gguf import METADATA_SUFFIX, record_source
+    from backends.torch.gguf_model import _qk_order
+
+    hf, config = model.hf, model.hf.config
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    state = hf.state_dict()
+    for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
+        weight = state[hf_name].float().numpy()
+        order = _qk_order(gguf_name, config, "llama")
+        if order is not None:
+            stored = np.empty_like(weight)
+            stored[order] = weight
+            weight = stored
+        if weight.ndim == 1:
+            writer.add_tensor(gguf_name, weight)
+        else:
+            writer.add_tensor(gguf_name, quants.quantize(weight, GGMLQuantizationType(kind)),
+                              raw_dtype=GGMLQuantizationType(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = path.with_name(path.name + METADATA_SUFFIX)
+    save_hf_folder(model, folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()  # the metadata folder holds no weights
+    record_source(path, folder)
+    return path
+
+
+def dequantized_twin(model: TorchModel, kind: int) -> TorchModel:
+    """The same tiny model with each matrix replaced by its `kind` values, in float32."""
+    from gguf import GGMLQuantizationType, dequantize, quants
+
+    hf = copy.deepcopy(model.hf)
+    with torch.no_grad():
+        for module in hf.modules():
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.ndim == 2:
+                q = quants.quantize(weight.float().numpy(), GGMLQuantizationType(kind))
+                values = dequantize(q, GGMLQuantizationType(kind)).reshape(weight.shape)
+                weight.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    return TorchModel(hf, model.tokenizer, name=f"{model.name}-dequantized", device="cpu")

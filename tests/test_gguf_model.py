@@ -1,0 +1,150 @@
+"""A .gguf runs on its own blocks: what its dequantized twin computes, with no copy of its
+weights in memory or on disk, and speculation on it stays lossless."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+torch = pytest.importorskip("torch")
+
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.types import Done, SamplingParams, SpecdeckError  # noqa: E402
+from app.drafters.ngram import NgramDrafter  # noqa: E402
+from backends.gguf import CONVERTED_SUFFIX  # noqa: E402
+from backends.gguf_tensors import open_tensors  # noqa: E402
+from backends.torch import gguf_model  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
+from backends.torch.gguf_layers import GgufLinear  # noqa: E402
+from tests.distributions import assert_follows, two_token_law  # noqa: E402
+from tests.test_engine import oracle  # noqa: E402
+from tests.tiny import dequantized_twin, save_gguf, tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gguf_model.unavailable_reason() is not None,
+                                reason=f"no GGUF kernel here: {gguf_model.unavailable_reason()}")
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]
+KS = [1, 2, 4, 7]
+
+
+@pytest.fixture(scope="module")
+def source():
+    return tiny_llama(seed=1)
+
+
+@pytest.fixture(scope="module")
+def files(source, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {"target": save_gguf(source, folder / "target.gguf", int(T.Q8_0)),
+            "draft": save_gguf(tiny_llama(seed=2), folder / "draft.gguf", int(T.Q4_0))}
+
+
+@pytest.fixture(scope="module")
+def target(files):
+    model = TorchBackend().load(str(files["target"]), device="cpu", dtype="auto")
+    model.eos_token_ids = frozenset()
+    return model
+
+
+@pytest.fixture(scope="module")
+def draft(files):
+    return TorchBackend().load(str(files["draft"]), device="cpu", dtype="auto")
+
+
+def generate(target, drafter=None, k: int = 0, **params) -> Done:
+    engine = SpecEngine(target)
+    done = list(engine.generate(PROMPT, SamplingParams(max_new_tokens=24, **params),
+                                drafter=drafter, k=k))[-1]
+    assert isinstance(done, Done) and done.error is None, done
+    return done
+
+
+def test_auto_runs_a_gguf_on_its_own_blocks(target):
+    assert target.dtype == "gguf" and "nothing converted" in target.dtype_reason
+    linears = [m for m in target.hf.modules() if isinstance(m, GgufLinear)]
+    assert len(linears) == 2 * 4 + 1  # q/k/v and gate/up fused, o and down, output layer
+
+
+def test_a_gguf_model_computes_what_its_dequantized_twin_computes(source, target):
+    twin = dequantized_twin(source, int(T.Q8_0))
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ours, theirs = target.hf(ids).logits, twin.hf(ids).logits
+    # the only difference: activations quantized to 8 bits per group, as llama.cpp does
+    assert float((ours - theirs).norm() / theirs.norm()) < 0.02
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_the_model_keeps_no_copy_of_the_files_weights(files, target):
+    stored = open_tensors(files["target"]).weights_bytes()
+    assert 0.9 * stored < target.weights_bytes() < 1.3 * stored
+    assert not files["target"].with_name(files["target"].name + CONVERTED_SUFFIX).exists()
+
+
+def test_plain_decoding_on_a_gguf_is_the_oracle(target):
+    assert list(generate(target).token_ids) == oracle(target, PROMPT, 24)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_a_gguf_draft_model_keeps_the_plain_output(target, draft, k):
+    plain = generate(target)
+    drafter = TorchBackend().draft_model_drafter(target, draft)
+    assert list(generate(target, drafter, k=k).token_ids) == list(plain.token_ids)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_the_target_as_its_own_gguf_drafter_accepts_every_token(target, k):
+    drafter = TorchBackend().draft_model_drafter(target, target)
+    done = generate(target, drafter, k=k)
+    assert list(done.token_ids) == list(generate(target).token_ids)
+    assert done.stats.accepted == done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", KS)
+def test_lookup_on_a_gguf_keeps_the_plain_output(target, k):
+    done = generate(target, NgramDrafter(), k=k)
+    assert list(done.token_ids) == list(generate(target).token_ids)
+
+
+@pytest.mark.heavy  # 900 sampled generations
+def test_sampled_speculation_on_a_gguf_draws_from_the_targets_distribution(tmp_path):
+    vocab = 16  # the smallest vocabulary kquant's 16-row tiles hold whole
+    files = [save_gguf(tiny_llama(seed=seed, vocab=vocab), tmp_path / f"{seed}.gguf", kind)
+             for seed, kind in ((21, int(T.Q8_0)), (22, int(T.Q4_0)))]
+    target, draft = (TorchBackend().load(str(f), device="cpu", dtype="gguf") for f in files)
+    target.eos_token_ids = frozenset()  # every generation runs its full length
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    prompt = [1, 2, 3, 4]
+    joint = two_token_law(target, prompt, params, vocab)
+    drafter = TorchBackend().draft_model_drafter(target, draft)
+    engine = SpecEngine(target)
+    counts, n, accepted = np.zeros((vocab, vocab)), 900, 0
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4,
+                                                           seed=seed), drafter=drafter, k=2))[-1]
+        counts[tuple(done.token_ids[1:3])] += 1
+        accepted += done.stats.accepted
+    assert_follows(counts, joint * n)
+    assert accepted > 0  # the rejection rule was exercised on accepted drafts too
+
+
+def test_an_old_dequantized_copy_is_removed_and_said(files, capsys):
+    stale = files["draft"].with_name(files["draft"].name + CONVERTED_SUFFIX)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(bytes(1024))
+    TorchBackend().load(str(files["draft"]), device="cpu", dtype="gguf")
+    assert not stale.exists()
+    assert "removed" in capsys.readouterr().err
+
+
+def test_a_gguf_cut_short_is_refused_with_the_fix(files, tmp_path):
+    data = files["target"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(SpecdeckError, match="cut short.*specdeck pull"):
+        open_tensors(cut)
+
+
+def test_dtype_gguf_needs_a_gguf_file(tmp_path):
+    with pytest.raises(SpecdeckError, match="not one"):
+        TorchBackend().load(str(tmp_path), device="cpu", dtype="gguf")

@@ -49,15 +49,17 @@ def test_bf16_on_cpu_keeps_speculative_output_equal_to_plain(smollm2_gguf, capsy
 
 
 def cpu_dtypes() -> list[str]:
-    """Every CPU dtype that loads losslessly here: bf16 where native, w8a8 where VNNI,
-    int4 where its kernel is row-exact, w4a8 where its kernel builds and is row-exact."""
-    from backends.torch import w4a8
+    """Every CPU dtype that loads losslessly here: the file's own blocks where a GGUF kernel
+    runs, bf16 where native, w8a8 where VNNI, int4 where its kernel is row-exact, w4a8 where
+    its kernel builds and is row-exact."""
+    from backends.torch import gguf_model, w4a8
     from backends.torch.quant import int4_is_available, int4_is_exact, w8a8_is_exact
 
     return ["float32", "int8"] + (["bfloat16"] if cpu_has_native_bf16() else []) \
         + (["w8a8"] if w8a8_is_exact() else []) \
         + (["int4"] if int4_is_available() and int4_is_exact() else []) \
-        + (["w4a8"] if w4a8.is_exact() else [])
+        + (["w4a8"] if w4a8.is_exact() else []) \
+        + (["gguf"] if gguf_model.unavailable_reason() is None else [])
 
 
 @pytest.mark.parametrize("dtype", cpu_dtypes())

@@ -11,6 +11,9 @@ kernels give a row the same bits whatever the rows beside it: speculation stays 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 from gguf import dequantize
@@ -33,6 +36,7 @@ class Part:
         self.out_features = info.rows if self.order is None else len(self.order)
         self.bias = None if bias is None else bias.float().contiguous()
         self.packed = packed  # kquant tiles, rows in HF order; data is then never read
+        self.path: Path | None = None  # the file data maps, where it maps one
         self._info = info
 
     def rows(self, ids: np.ndarray) -> Part:
@@ -50,6 +54,24 @@ class Part:
                     kquant.pack(self.ggml_type, rows, len(tiled), self.in_features))
         part.out_features = len(order)
         return part
+
+    def float_rows(self, start: int, stop: int) -> torch.Tensor | None:
+        """Output rows start..stop of the part's weights as float32 (in its row order); None
+        for a padded row selection."""
+        if self.packed is not None and self.packed_rows != self.out_features:
+            return None
+        row_bytes = self._info.nbytes // self._info.rows
+        if self.path is not None and self.order is None:
+            # read, not mapped: the file's pages stay out of this process
+            with self.path.open("rb") as f:
+                raw = os.pread(f.fileno(), (stop - start) * row_bytes,
+                               self._info.offset + start * row_bytes)
+            rows = np.frombuffer(raw, np.uint8).reshape(stop - start, row_bytes)
+        else:
+            stored = self.data.reshape(self._info.rows, row_bytes)
+            rows = stored[start:stop] if self.order is None else stored[self.order[start:stop]]
+        values = dequantize(rows, GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     def resident_bytes(self) -> int:
         return int(self.packed.nbytes if self.packed is not None else self.data.nbytes)

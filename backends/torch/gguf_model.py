@@ -133,7 +133,9 @@ def _part(name: str, config: Any, tensors: GgufTensors, names: dict[str, str]) -
     bias = None if bias_name is None else _float(tensors, bias_name)
     if bias is not None and order is not None:
         bias = bias[torch.from_numpy(order).long()]
-    return Part(tensors.bytes_of(weight), info, order, bias, packed)
+    part = Part(tensors.bytes_of(weight), info, order, bias, packed)
+    part.path = tensors.path
+    return part
 
 
 def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.ndarray | None:

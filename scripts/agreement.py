@@ -50,7 +50,7 @@ def main() -> None:
     for prompt in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                       add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         with torch.inference_mode():
             out = reference.hf.generate(torch.tensor([ids]), max_new_tokens=args.new,
                                         do_sample=False)

@@ -2,7 +2,8 @@
 
 Usage: python scripts/forward_costs.py MODEL --configs w8a8,w8a8:unfused,int4 [--rows 1-9]
        [--draft] [--rounds 7]
-A configuration is a dtype, ":unfused" to load without fused projections. --draft times
+A configuration is a dtype, ":unfused" to load without fused projections, "gguf:ggml" to run
+a GGUF on ggml's dot products only. --draft times
 drafter sessions (exact=False) on 1-row forwards: ms per drafted token over 16-token runs;
 otherwise it times the target's verify forwards of 1..9 rows after a 96-token prompt.
 Prints one JSON line per configuration.
@@ -21,6 +22,7 @@ from unittest import mock
 import torch
 
 from backends.torch import backend as torch_backend
+from backends.torch import kquant
 from backends.torch.backend import TorchBackend
 
 PROMPT_LEN, DRAFT_RUN = 96, 16
@@ -30,6 +32,9 @@ def load(path: str, config: str):
     dtype, _, option = config.partition(":")
     if option == "unfused":
         with mock.patch.object(torch_backend, "fuse_projections", lambda hf: 0):
+            model = TorchBackend().load(path, device="cpu", dtype=dtype)
+    elif option == "ggml":  # gguf on ggml's dot products only, none on kquant's tiles
+        with mock.patch.object(kquant, "can_take", lambda *shape: False):
             model = TorchBackend().load(path, device="cpu", dtype=dtype)
     else:
         model = TorchBackend().load(path, device="cpu", dtype=dtype)

@@ -16,10 +16,12 @@ DEFAULT_DRAFTER, DEFAULT_K = "auto", "auto"
 
 DRAFT_VOCAB_HELP = ("draft only among the N lowest token ids (plus the prompt's tokens and "
                     "EOS): a cheaper output layer, lower acceptance; 0 = whole vocabulary")
-DTYPE_HELP = ("auto, float32, bfloat16, float16, int8 (weight-only int8, bf16 activations), "
-              "w8a8 (int8 weights and per-token int8 activations), int4 (4-bit weights, CPU) or "
-              "w4a8 (4-bit weights, int8 activations per 32, CPUs with AVX512-VNNI); "
-              "auto on CPU: the fastest mode no coarser than the model file (--json says why)")
+DTYPE_HELP = ("auto, gguf (a .gguf's own blocks times int8 activations, as llama.cpp runs "
+              "them; CPU), float32, bfloat16, float16, int8 (weight-only int8, bf16 "
+              "activations), w8a8 (int8 weights and per-token int8 activations), int4 (4-bit "
+              "weights, CPU) or w4a8 (4-bit weights, int8 activations per 32, CPUs with "
+              "AVX512-VNNI); auto on CPU: gguf for a .gguf, else the fastest mode no coarser "
+              "than the model file (--json says why)")
 DRAFT_DTYPE_HELP = "dtype of the draft model (default: --dtype); int8 or w8a8 drafts cheaper on CPU"
 
 

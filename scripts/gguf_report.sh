@@ -4,7 +4,7 @@
 # Writes: footprint.json (disk, RSS, first answer, serve against llama-server), costs.jsonl
 # (verify cost of 1..9 rows: gguf on kquant, gguf on ggml alone, w4a8 requantized),
 # agreement.json (teacher-forced top-1 against a float32 forward of the dequantized file),
-# bench.json (plain and auto against llama.cpp, HumanEval and MT-bench).
+# bench-SET.json (plain and auto against llama.cpp, HumanEval and MT-bench).
 set -euo pipefail
 out=${1:?usage: scripts/gguf_report.sh OUT_DIR [PAIR]}
 pair=${2:-qwen2.5-coder-1.5b+0.5b}
@@ -23,7 +23,9 @@ $py "$root/scripts/forward_costs.py" "$target" --configs gguf,gguf:ggml,w4a8 --r
   > "$out/costs.jsonl"
 $py "$root/scripts/agreement.py" "$target" --reference float32 --dtypes gguf,w4a8 \
   > "$out/agreement.json"
-"$root/.venv/bin/specdeck" bench --pair "$pair" --prompts humaneval,mt-bench --limit 4 \
-  --max-new-tokens 128 --drafters none,auto --k auto --compare llama.cpp \
-  --llama-server "$server" --json "$out/bench.json" > "$out/bench.txt"
+for set in humaneval mt-bench; do
+  "$root/.venv/bin/specdeck" bench --pair "$pair" --prompts "$set" --limit 4 \
+    --max-new-tokens 128 --drafters none,auto --k auto --compare llama.cpp \
+    --llama-server "$server" --json "$out/bench-$set.json" > "$out/bench-$set.txt"
+done
 echo "written to $out"

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import importlib.util
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from backends.torch.cbuild import build, compiler
 
 _SOURCE = Path(__file__).parent / "kernels" / "ggml_linear.c"
 _FLAGS = ("-O2", "-fPIC", "-shared", "-fopenmp")
@@ -51,19 +49,9 @@ def unavailable_reason() -> str | None:
     """Why GGUF blocks cannot be computed on here, or None."""
     if ggml_library_dir() is None:
         return f"no ggml library: {INSTALL_HINT}"
-    if _compiler() is None:
+    if compiler() is None:
         return "no C compiler (cc or gcc) on PATH to build the ggml shim"
     return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    # a build artifact of this machine, not user data: shared by every SPECDECK_HOME
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(root) / "specdeck" / "kernels"
 
 
 @functools.cache
@@ -74,17 +62,9 @@ def _library() -> ctypes.CDLL:
     if lib_dir is None:
         raise OSError(f"no ggml library: {INSTALL_HINT}")
     stat = (lib_dir / "libggml-cpu.so").stat()
-    key = _SOURCE.read_bytes() + f"{_FLAGS}{lib_dir}{stat.st_size}{stat.st_mtime_ns}".encode()
-    target = _cache_dir() / f"ggml-linear-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", str(built),
-                            f"-L{lib_dir}", "-lggml-cpu", "-lggml-base",
-                            f"-Wl,-rpath,{lib_dir}"], check=True, capture_output=True, text=True)
-            os.replace(built, target)  # a half-written library never looks built
-    library = ctypes.CDLL(str(target))
+    library = build("ggml-linear", _SOURCE, _FLAGS,
+                    [f"-L{lib_dir}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib_dir}"],
+                    key=f"{lib_dir}{stat.st_size}{stat.st_mtime_ns}".encode())
     p, i = ctypes.c_void_p, ctypes.c_int
     library.gl_vec_dot_type.argtypes = [i]
     library.gl_row_size.argtypes = [i, ctypes.c_int64]

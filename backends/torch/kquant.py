@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from backends.cpu import cpu_has_w4a8
-from backends.torch.w4a8 import _cache_dir, _compiler
+from backends.torch.cbuild import build, compiler
 
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -38,17 +35,7 @@ TILE, SUPER, GROUP, MAX_ROWS = 16, 256, 32, 16
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kquant-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", str(built)],
-                           check=True, capture_output=True, text=True)
-            os.replace(built, target)  # a half-written library never looks built
-    library = ctypes.CDLL(str(target))
+    library = build("kquant", _SOURCE, _FLAGS)
     p, i = ctypes.c_void_p, ctypes.c_int
     library.kq_packed_bytes.argtypes = [i, i, i]
     library.kq_packed_bytes.restype = ctypes.c_size_t
@@ -60,7 +47,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def is_available() -> bool:
     """Whether the kernel builds and runs here (AVX-512 VNNI and a C compiler)."""
-    if not cpu_has_w4a8() or _compiler() is None:
+    if not cpu_has_w4a8() or compiler() is None:
         return False
     try:
         _library()

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from backends.cpu import cpu_has_w4a8
+from backends.torch.cbuild import build, compiler
 from backends.torch.quant import (
     bf16_bias,
     prefill_copy,
@@ -44,40 +41,19 @@ TILE = 16
 MAX_ROWS = 16  # the kernel's rows per call; larger forwards (prompts) run on the 8-bit copy
 
 
-def _cache_dir() -> Path:
-    # a build artifact of this machine, not user data: shared by every SPECDECK_HOME
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(root) / "specdeck" / "kernels"
-
-
 def unavailable_reason() -> str | None:
     """Why this machine cannot run the kernel, or None."""
     if not cpu_has_w4a8():
         return "this CPU lacks AVX512-VNNI (w4a8's kernel needs it)"
-    if _compiler() is None:
+    if compiler() is None:
         return "no C compiler (cc or gcc) on PATH to build the w4a8 kernel"
     return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
     """The kernel, built on first use into the cache, named by a hash of source and flags."""
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"w4a8-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # build beside the target, then rename: a half-written library never looks built
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
-                           check=True, capture_output=True, text=True)
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
+    library = build("w4a8", _SOURCE, _FLAGS, ["-lm"])
     library.w4a8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p]

@@ -12,7 +12,10 @@ over k+1 tokens reproduces one-token decoding exactly:
   blocks of 4 rows and took 91 and 286 ms.
 - `Int4Linear` (dtype int4): 4-bit weights in groups of 32 inputs, each group its own scale and
   minimum (Q4_K's sub-block layout), bf16 activations through `_weight_int4pack_mm_for_cpu`,
-  which dequantizes a weight block once and runs every row through it alike. The load-time
+  which dequantizes a weight block once and runs every row through it alike. Prompts run on it
+  too, in the target's exact blocks: an 8-bit prompt copy gave a prompt's rows other bits
+  than the same rows decoded, so an answer depended on what the cache held (and cost 2 bytes
+  a weight more). The load-time
   check (exactness.py) confirms the row invariance on the model's own layers.
 """
 
@@ -126,20 +129,15 @@ class W8A8Linear(torch.nn.Module):
 class Int4Linear(torch.nn.Module):
     """4-bit weights (asymmetric, per group of GROUP inputs) with bf16 activations.
 
-    torch's int4 kernel reads the weights once per 4 rows: a 150-token prompt cost 38 passes,
-    and int4's prefill made a 96-token answer slower end to end than w8a8's (Qwen2.5-Coder-1.5B,
-    2-core Xeon). So forwards of more rows than a verify block (prompts) run on an 8-bit copy
-    of the same weights; plain and speculative decoding prefill alike, and every verify block
-    and decode step stays on the int4 kernel the load-time check found exact.
+    torch's int4 kernel reads the weights once per 4 rows, so prompts are slow on it (a
+    150-token prompt cost 38 passes); w4a8 is the fast 4-bit mode where VNNI is.
     """
 
     GROUP = 32
-    PREFILL_ROWS = 16  # more rows than the largest verify block (exactness.MAX_BLOCK)
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor,
-                 bias: torch.Tensor | None, prefill: torch.nn.Module | None = None) -> None:
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.prefill = prefill
         self.out_features, self.in_features = codes.shape
         # plain attributes: the opaque packed layout and its bf16 [in/GROUP, out, 2] table
         # must not be cast when the model moves to bf16
@@ -152,17 +150,14 @@ class Int4Linear(torch.nn.Module):
         return isinstance(linear, torch.nn.Linear) and linear.in_features % cls.GROUP == 0
 
     @classmethod
-    def quantize(cls, linear: torch.nn.Linear, prefill: bool = True) -> Int4Linear:
+    def quantize(cls, linear: torch.nn.Linear) -> Int4Linear:
         codes, scales_zeros = quantize_weight_int4(linear.weight, cls.GROUP)
-        copy = prefill_copy(linear) if prefill else None
-        return cls(codes, scales_zeros, bf16_bias(linear), copy)
+        return cls(codes, scales_zeros, bf16_bias(linear))
 
     def packed_bytes(self) -> int:
         return self.out_features * self.in_features // 2 + self.scales_zeros.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prefill is not None and x.numel() // x.shape[-1] > self.PREFILL_ROWS:
-            return self.prefill(x)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP,
                                                          self.scales_zeros)
@@ -195,11 +190,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight = weight.detach().float()
     scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
-
-
-def prefill_copy(linear: torch.nn.Linear) -> torch.nn.Module:
-    """The 8-bit copy a 4-bit layer runs prompts on: w8a8 where exact, else weight-only int8."""
-    return W8A8Linear.quantize(linear) if w8a8_is_exact() else Int8Linear.quantize(linear)
 
 
 def bf16_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
@@ -237,7 +227,7 @@ def int4_is_available() -> bool:
 def int4_is_exact(max_rows: int = 16) -> bool:
     """Whether this CPU's int4 matmul gives each of up to max_rows rows the bits it gets alone."""
     return int4_is_available() and rows_are_invariant(
-        lambda linear: Int4Linear.quantize(linear, prefill=False), max_rows)
+        lambda linear: Int4Linear.quantize(linear), max_rows)
 
 
 def rows_are_invariant(quantize: Callable[[torch.nn.Linear], torch.nn.Module],

@@ -26,7 +26,7 @@ from backends.torch.decoder import LeanDecoder, chain_keys, tree_keys, tree_posi
 from backends.torch.output_heads import SubsetHead, logits_are_the_head_alone
 
 # forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
-# prefills, computed alike in plain and speculative decoding
+# prefills, split alike on the CPU and run in one call on a GPU
 MAX_VERIFY_ROWS = torch_attention.MAX_ROWWISE_ROWS
 
 Hidden = dict[int, torch.Tensor]  # captured layer -> its outputs [rows, hidden]
@@ -127,8 +127,7 @@ class TorchSession(ABC):
                                 f"{self._model.capabilities.reason}")
         want = self._wanted(capture)
         base = self.length
-        verify = len(real) <= MAX_VERIFY_ROWS
-        block = self._model.row_block if self.exact and verify else len(real)
+        block = self._rows_per_block(len(real))
         first_logit = len(real) - n_logits
         parts, captured = [], {i: [] for i in want}
         for start in range(0, len(real), block):
@@ -142,6 +141,16 @@ class TorchSession(ABC):
         argmax = tuple(logits.argmax(dim=-1).tolist())
         return TargetOutput(argmax=argmax, logits_fn=lambda: logits.float().cpu().numpy(),
                             hidden_states={i: torch.cat(h) for i, h in captured.items()})
+
+    def _rows_per_block(self, rows: int) -> int:
+        """Rows per forward call. An exact CPU session runs every forward, prompts included,
+        in the exact blocks: a row then gets the same bits whether it came in a prompt, a
+        verify or alone, so what the cache held before never changes an answer (a prompt
+        sent twice found all but its last token cached and computed that one alone, unlike
+        its first, batched prefill). Elsewhere prompts run in one call."""
+        if self.exact and (rows <= MAX_VERIFY_ROWS or self._model.device == "cpu"):
+            return self._model.row_block
+        return rows
 
     def _wanted(self, capture: Sequence[int]) -> frozenset[int]:
         """The layers this forward captures: the session's own and the forward's."""

@@ -26,19 +26,14 @@ import torch
 
 from backends.cpu import cpu_has_w4a8
 from backends.torch.cbuild import build, compiler
-from backends.torch.quant import (
-    bf16_bias,
-    prefill_copy,
-    quantize_weight_int4,
-    rows_are_invariant,
-)
+from backends.torch.quant import bf16_bias, quantize_weight_int4, rows_are_invariant
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512vnni", "-mfma")
 GROUP = 32
 TILE = 16
-MAX_ROWS = 16  # the kernel's rows per call; larger forwards (prompts) run on the 8-bit copy
+MAX_ROWS = 16  # the kernel's rows per call; larger forwards run in calls of this many
 
 
 def unavailable_reason() -> str | None:
@@ -78,16 +73,15 @@ def is_exact(max_rows: int = MAX_ROWS) -> bool:
     """Whether the kernel builds here and gives each of up to max_rows rows the bits it gets
     alone."""
     return is_available() and rows_are_invariant(
-        lambda linear: W4A8Linear.quantize(linear, prefill=False), max_rows)
+        lambda linear: W4A8Linear.quantize(linear), max_rows)
 
 
 class W4A8Linear(torch.nn.Module):
     """4-bit weights (groups of 32, bf16 scale and zero) times per-group int8 activations."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor,
-                 bias: torch.Tensor | None, prefill: torch.nn.Module | None = None) -> None:
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.prefill = prefill
         self.out_features, self.in_features = codes.shape
         self.packed = pack(codes, scales_zeros)  # plain attribute: never cast
         self.register_buffer("bias", bias)
@@ -100,18 +94,15 @@ class W4A8Linear(torch.nn.Module):
                 and linear.out_features % TILE == 0)
 
     @classmethod
-    def quantize(cls, linear: torch.nn.Linear, prefill: bool = True) -> W4A8Linear:
+    def quantize(cls, linear: torch.nn.Linear) -> W4A8Linear:
         codes, scales_zeros = quantize_weight_int4(linear.weight, GROUP)
-        copy = prefill_copy(linear) if prefill else None
-        return cls(codes, scales_zeros, bf16_bias(linear), copy)
+        return cls(codes, scales_zeros, bf16_bias(linear))
 
     def packed_bytes(self) -> int:
         return self.packed.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.prefill is not None and rows > MAX_ROWS:
-            return self.prefill(x)
         # bf16 in and out, the bias added in the kernel as torch's bf16 add would add it
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)

@@ -5,7 +5,9 @@ For each pulled model of the pair: bytes on disk in its folder against its GGUF'
 rounds alternating the two engines: each server started cold on the pair (llama-server with
 `-m TARGET -md DRAFT`), the seconds from start to its first answer, then `requests` greedy
 chat requests of 128 tokens; peak RSS (VmHWM) and RSS after the last request (VmRSS) of the
-server process. Prints one JSON object.
+server process. Then the planner's estimate of the same (runtime, weights, KV caches) at the
+context the requests held (the KV cache's first allocation) and at the Models tab's 4096
+tokens, and the measured peak over the first. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.catalogue import planner  # noqa: E402
 from app.catalogue.registry import load_catalogue  # noqa: E402
 from app.store.layout import model_path  # noqa: E402
 
@@ -118,7 +121,20 @@ def main() -> None:
                 command += ["-md", str(draft)]
             report["llama-server"].append(run_server(command, f"http://127.0.0.1:{port}",
                                                      args.requests))
+    report["estimate"] = estimate(pair, report["specdeck"])
     print(json.dumps(report, indent=1))
+
+
+def estimate(pair, runs: list[dict]) -> dict:
+    """The planner's memory for the pair against serve's measured peak."""
+    from backends.torch.decoder import FIRST_CAPACITY
+
+    gib = 2**30
+    held, tab = (planner.pair_fit(pair, "torch", "cpu", 64 * gib, context).memory_bytes / gib
+                 for context in (FIRST_CAPACITY, 4096))
+    peak = sorted(run["peak_rss_gib"] for run in runs)[len(runs) // 2] if runs else None
+    return {"served_context": FIRST_CAPACITY, "estimate_gib": held, "estimate_4096_gib": tab,
+            "measured_peak_gib": peak, "peak_over_estimate": peak / held if peak else None}
 
 
 if __name__ == "__main__":

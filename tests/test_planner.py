@@ -43,6 +43,12 @@ def model_folder(tmp_path: Path, name: str, params: int = 0) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def no_gguf_kernel(monkeypatch):
+    """The rules for sources torch converts; the tests of a GGUF on its blocks switch it on."""
+    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: False)
+
+
 # ---- arithmetic ------------------------------------------------------------------------
 
 
@@ -61,15 +67,16 @@ def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_comp
         catalogue):
     pair = catalogue.pair("llama3.1-8b+3.2-1b")
     fit = planner.pair_fit(pair, "torch", "cuda", 24 * GB, 4096)
-    assert (fit.dtype, fit.usable_bytes) == ("bfloat16", 21_600_000_000)  # 10% kept back
+    # 10% kept back, and the runtime's 400 MiB
+    assert (fit.dtype, fit.usable_bytes) == ("bfloat16", 21_600_000_000 - 400 * 2**20)
     assert fit.target_weights_bytes == 8_030_261_248 * 2
     assert fit.drafter_weights_bytes == 1_235_814_400 * 2
     assert fit.drafter_kv_per_token == 16 * 8 * 64 * 2 * 2 == 32_768
-    # (21.6e9 - 16_060_522_496) // 131_072 = 42_262 tokens without the drafter
-    assert fit.max_context_plain == 42_262
-    # (21.6e9 - 16_060_522_496 - 2_471_628_800) // (131_072 + 32_768) = 18_724 with it
-    assert fit.max_context_spec == 18_724
-    assert (fit.streams_plain, fit.streams_spec) == (10, 4)  # streams of 4096 tokens
+    # (21_180_569_600 - 16_060_522_496) // 131_072 = 39_062 tokens without the drafter
+    assert fit.max_context_plain == 39_062
+    # (21_180_569_600 - 16_060_522_496 - 2_471_628_800) // (131_072 + 32_768) = 16_164 with it
+    assert fit.max_context_spec == 16_164
+    assert (fit.streams_plain, fit.streams_spec) == (9, 3)  # streams of 4096 tokens
 
 
 def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_context(
@@ -83,10 +90,10 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
         ("float32", 57_344, 24 * 2 * 64 * 2 * 4)
     assert (fit.max_context_plain, fit.max_context_spec) == (32_768, 32_768)
-    # (14.4e9 - 6_174_857_216) // (57_344 * 4096) = 35; minus the draft: 6_249_011_712 //
-    # ((57_344 + 24_576) * 4096) = 18
-    assert (fit.streams_plain, fit.streams_spec) == (35, 18)
-    assert fit.summary() == "32768/32768, 35/18"
+    # (14.4e9 - 400 MiB - 6_174_857_216) // (57_344 * 4096) = 33; minus the draft:
+    # 5_829_581_312 // ((57_344 + 24_576) * 4096) = 17
+    assert (fit.streams_plain, fit.streams_spec) == (33, 17)
+    assert fit.summary() == "32768/32768, 33/17"
 
 
 def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue):
@@ -133,7 +140,7 @@ def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(cata
     assert fit.target_kv_per_token == 57_344 // 2
 
 
-def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_8_bit_prompt_copy(catalogue,
+def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_their_scales(catalogue,
                                                                                 monkeypatch):
     monkeypatch.setattr(planner, "_torch_has_int4", lambda: True)
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
@@ -141,7 +148,7 @@ def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_8_bit_prompt_copy
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
     assert fit.dtype == "int4"
-    assert fit.target_weights_bytes == int(params * 1.625)
+    assert fit.target_weights_bytes == int(params * 0.625)
     assert fit.target_kv_per_token == 57_344 // 2
     assert planner.dtype_for("torch", "cpu", "gguf-q8_0") != "int4"
 
@@ -187,12 +194,13 @@ def test_a_listed_head_is_preferred_to_the_draft_model_when_it_fits(catalogue):
 
 
 def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalogue):
-    # target 8.04 GB + 4096 tokens of KV 0.60 GB; EAGLE-3 adds 0.46 GB, DFlash 1.16 GB
-    plan = planner.plan("qwen3-4b", "torch", "cuda", int(10.5 * GB), catalogue=catalogue,
+    # target 8.04 GB + 4096 tokens of KV 0.60 GB; EAGLE-3 adds 0.46 GB, DFlash 1.16 GB; the
+    # runtime 0.42 GB
+    plan = planner.plan("qwen3-4b", "torch", "cuda", 11 * GB, catalogue=catalogue,
                         implemented=ALL_KINDS)
     assert plan.choice.kind == "eagle3"
     dflash = next(o for o in plan.refused if o.kind == "dflash")
-    assert dflash.reason.startswith("does not fit") and "9.45 GB usable" in dflash.reason
+    assert dflash.reason.startswith("does not fit") and "9.48 GB usable" in dflash.reason
 
 
 def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
@@ -331,7 +339,7 @@ def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_n
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
     assert fit.dtype == "w4a8"
-    assert fit.target_weights_bytes == int(params * 1.625)
+    assert fit.target_weights_bytes == int(params * 0.625)
     assert planner.dtype_for("torch", "cpu", "gguf-q8_0") not in ("int4", "w4a8")
 
 
@@ -371,3 +379,32 @@ def test_a_gguf_cut_short_after_its_magic_is_refused_naming_the_fix(tmp_path, ca
     partial.write_bytes(b"GGUF")
     with pytest.raises(SpecdeckError, match="download it again"):
         planner.describe(str(partial), catalogue)
+
+
+def test_a_gguf_on_a_cpu_with_its_kernel_plans_the_files_bytes_and_a_float32_cache(
+        catalogue, monkeypatch):
+    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: True)
+    pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
+    fit = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    target_file = pair.target.download_bytes("torch")[0]
+    draft_file = pair.drafter.download_bytes("torch")[0]
+    light_head = int(151_936 * 896 * 0.625)  # the draft's 4-bit output layer it drafts with
+    assert fit.dtype == "gguf"
+    assert (fit.target_weights_bytes, fit.drafter_weights_bytes) == (target_file,
+                                                                     draft_file + light_head)
+    assert (fit.target_kv_per_token, fit.drafter_kv_per_token) == (57_344, 24 * 2 * 64 * 2 * 4)
+    assert fit.memory_bytes == (400 * 2**20 + target_file + draft_file + light_head
+                                + 4096 * (57_344 + 24_576))
+
+
+def test_a_local_gguf_is_planned_at_its_size_on_disk(tmp_path, catalogue, monkeypatch):
+    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: True)
+    torch = pytest.importorskip("torch")  # noqa: F841 - tests.tiny builds the file with it
+    from gguf import GGMLQuantizationType
+
+    from tests.tiny import save_gguf, tiny_llama
+
+    path = save_gguf(tiny_llama(seed=1), tmp_path / "tiny.gguf", int(GGMLQuantizationType.Q8_0))
+    plan = planner.plan(str(path), "torch", "cpu", 16 * GB, catalogue=catalogue)
+    assert plan.fit.dtype == "gguf"
+    assert plan.fit.target_weights_bytes == path.stat().st_size

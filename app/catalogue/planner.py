@@ -18,9 +18,10 @@ API:
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
         Plan.passed (usable, but ranked after the choice), Plan.reasons() as lines for a
         terminal or the UI.
-Memory figures leave RESERVE of the memory free for activations, verify buffers and the
-runtime itself. torch holds weights and KV cache in fp32 on a CPU and bf16 on CUDA (a GGUF is
-dequantized on load); MLX keeps a 4-bit checkpoint 4-bit and its KV cache in fp16.
+Memory figures leave RESERVE of the memory free for activations and verify buffers, and count
+the runtime itself (RUNTIME_BYTES). On a CPU torch runs a GGUF on the file's own blocks (its
+bytes, a float32 KV cache); other sources in the dtype `dtype_for` names. MLX keeps a 4-bit
+checkpoint 4-bit and its KV cache in fp16.
 """
 
 from __future__ import annotations
@@ -69,11 +70,15 @@ PREFERENCE = (
 )
 HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
 MODEL_FREE = frozenset({"lookahead", "ngram"})
-# bytes per weight; int4 and w4a8: 4-bit codes, a bf16 scale and zero per 32, and the 8-bit
-# copy their prompts run on (backends/torch/quant.py Int4Linear, backends/torch/w4a8.py)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 1.625,
-                "w4a8": 1.625}
+# bytes per weight; int4 and w4a8: 4-bit codes and a bf16 scale and zero per 32
+# (backends/torch/quant.py Int4Linear, backends/torch/w4a8.py); gguf: the file's own bytes
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 0.625,
+                "w4a8": 0.625}
 QUANTIZED = ("w8a8", "int4", "w4a8")  # quantized weights, bf16 KV cache
+GGUF_KV_BYTES = 4  # a GGUF computes in float32 between its matmuls, its KV cache included
+# resident memory of a process before any weights: Python, torch, transformers and the server
+# (383 MiB measured after importing app.serve.server with torch here); MLX's is smaller
+RUNTIME_BYTES = {"torch": 400 * 2**20, "mlx": 200 * 2**20}
 W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
 INT4_MAX_BITS = 5.0  # and a source this coarse as int4, where torch has the kernel
 INT4_TORCH = (2, 6)  # the first torch with _weight_int4pack_mm_for_cpu
@@ -105,6 +110,14 @@ class Fit:
     context: int  # the per-stream context the stream counts use
     streams_plain: int
     streams_spec: int
+    runtime_bytes: int = 0  # the process before any weights (RUNTIME_BYTES)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What serving one stream of `context` tokens with speculation takes: the runtime,
+        both models' weights and both KV caches."""
+        return (self.runtime_bytes + self.target_weights_bytes + self.drafter_weights_bytes
+                + self.context * (self.target_kv_per_token + self.drafter_kv_per_token))
 
     @property
     def fits(self) -> bool:
@@ -122,7 +135,7 @@ class Fit:
                 f"{self.streams_plain}/{self.streams_spec}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "fits": self.fits}
+        return {**self.__dict__, "fits": self.fits, "memory_bytes": self.memory_bytes}
 
 
 @dataclass(frozen=True)
@@ -190,16 +203,20 @@ def resolve_device(backend: str, device: str = "auto") -> str:
 
 
 def dtype_for(backend: str, device: str, fmt: str | None = None,
-              bits: float | None = None) -> str:
-    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU, for a source of 5 bits
-    per weight or fewer (a Q4 GGUF), w4a8 with AVX512-VNNI, else int4 where torch has its int4
-    kernel; w8a8 with VNNI for 8.5 bits or fewer, else bfloat16 on CUDA and on CPUs with
-    native bf16, else float32 (backends/torch/backend.py decides the same way, after its
-    exactness checks)."""
+              bits: float | None = None, gguf: bool | None = None) -> str:
+    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU a GGUF (gguf: the
+    source is one; by default read from fmt) on its own blocks where a kernel for them runs;
+    else, for a source of 5 bits per weight or fewer (a Q4 GGUF), w4a8 with AVX512-VNNI, else
+    int4 where torch has its int4 kernel; w8a8 with VNNI for 8.5 bits or fewer, else bfloat16
+    on CUDA and on CPUs with native bf16, else float32 (backends/torch/backend.py decides the
+    same way, after its exactness checks)."""
     from backends.cpu import cpu_has_native_bf16, cpu_has_vnni, cpu_has_w4a8
 
     if backend == "mlx":
         return "float16"
+    gguf = bool(fmt and fmt.startswith("gguf-")) if gguf is None else gguf
+    if device == "cpu" and gguf and _gguf_runs_here():
+        return "gguf"
     if bits is None and fmt:
         bits = _quant_bits(fmt)
     four_bit = device == "cpu" and bits is not None and bits <= INT4_MAX_BITS
@@ -225,6 +242,18 @@ def _quant_bits(fmt: str) -> float | None:
     return FORMAT_BITS.get(fmt)
 
 
+def _gguf_runs_here() -> bool:
+    """Whether torch runs a GGUF on its own blocks here (backends/torch/gguf_model.py), judged
+    without importing torch: kquant needs AVX512-VNNI, ggml llama-cpp-python; both a compiler."""
+    import importlib.util
+
+    from backends.cpu import cpu_has_w4a8
+    from backends.torch.cbuild import compiler
+
+    kernel = cpu_has_w4a8() or importlib.util.find_spec("llama_cpp") is not None
+    return kernel and compiler() is not None
+
+
 def _torch_has_int4() -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -237,6 +266,8 @@ def _torch_has_int4() -> bool:
 
 def _kv_bytes(dtype: str) -> int:
     # quantized modes quantize weights only: their KV cache is bf16
+    if dtype == "gguf":
+        return GGUF_KV_BYTES
     return 2 if dtype in QUANTIZED else _DTYPE_BYTES[dtype]
 
 
@@ -284,10 +315,12 @@ def kv_bytes_per_token(arch: Arch, dtype_bytes: int, layers: int | None = None) 
         * dtype_bytes
 
 
-def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None) -> int:
-    """torch dequantizes to dtype on load; MLX keeps a quantized format as it is on disk."""
-    if backend == "mlx" and fmt is not None:
-        return int(params * FORMAT_BITS[fmt] / 8)
+def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
+                  file_bytes: int | None = None) -> int:
+    """A GGUF on its own blocks and MLX's quantized checkpoints take their bytes on disk
+    (file_bytes where known, else estimated from params); torch converts others to dtype."""
+    if dtype == "gguf" or (backend == "mlx" and fmt is not None):
+        return file_bytes or int(params * FORMAT_BITS.get(fmt or "", 16) / 8)
     return int(params * _DTYPE_BYTES[dtype])
 
 
@@ -295,7 +328,8 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
         backend: str = "", device: str = "", dtype: str = "") -> Fit:
     """Servable context and concurrent streams of `context` tokens, plain and speculative."""
     drafter = drafter or Sizing(0, 0, target.context_limit)
-    usable = int(memory * (1 - RESERVE))
+    runtime = RUNTIME_BYTES.get(backend, 0)
+    usable = int(memory * (1 - RESERVE)) - runtime
     room_plain = usable - target.weights_bytes
     room_spec = room_plain - drafter.weights_bytes
     kv_spec = target.kv_bytes_per_token + drafter.kv_bytes_per_token
@@ -308,7 +342,8 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
         return max(0, room // (per_token * context)) if room > 0 else 0
 
     return Fit(backend=backend, device=device, dtype=dtype, available_bytes=memory,
-               usable_bytes=usable, target_weights_bytes=target.weights_bytes,
+               usable_bytes=usable, runtime_bytes=runtime,
+               target_weights_bytes=target.weights_bytes,
                drafter_weights_bytes=drafter.weights_bytes,
                target_kv_per_token=target.kv_bytes_per_token,
                drafter_kv_per_token=drafter.kv_bytes_per_token, context_limit=limit,
@@ -337,9 +372,15 @@ def _target_source(info: TargetInfo, backend: str) -> tuple[str | None, float | 
     return None, None
 
 
-def model_sizing(model: ModelSpec, backend: str, dtype: str) -> Sizing:
-    return Sizing(weights_bytes(model.params, backend, dtype, source_format(model, backend)),
-                  kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context)
+def model_sizing(model: ModelSpec, backend: str, dtype: str, draft: bool = False) -> Sizing:
+    """A catalogue model's weights (a GGUF: its listed file bytes) and KV cache; a draft
+    model in a 4-bit-capable mode adds the 4-bit copy of its output layer it drafts through
+    (backends/torch/output_heads.py)."""
+    fmt = source_format(model, backend)
+    weights = weights_bytes(model.params, backend, dtype, fmt, model.download_bytes(backend)[0])
+    if draft and dtype in ("gguf", "w4a8"):
+        weights += int(model.arch.vocab * model.arch.hidden * _DTYPE_BYTES["w4a8"])
+    return Sizing(weights, kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context)
 
 
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
@@ -348,7 +389,8 @@ def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backen
     if kind == "mtp":
         return Sizing(0, kv_bytes_per_token(target_arch, _kv_bytes(dtype),
                                             target_arch.mtp_layers), target_arch.context)
-    return model_sizing(model, backend, dtype) if model is not None else None
+    return model_sizing(model, backend, dtype, draft=kind == "draft") if model is not None \
+        else None
 
 
 def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: int) -> Fit:
@@ -495,7 +537,10 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     catalogue = catalogue or load_catalogue()
     info = describe(target, catalogue) if isinstance(target, str) else target
     device = resolve_device(backend, device)
-    dtype = dtype_for(backend, device, *_target_source(info, backend))
+    fmt, bits = _target_source(info, backend)
+    local_gguf = info.path is not None and info.path.suffix == ".gguf"
+    dtype = dtype_for(backend, device, fmt, bits,
+                      gguf=local_gguf or bool(fmt and fmt.startswith("gguf-")))
     memory = available_memory(backend, device) if memory is None else memory
     ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
     refused: list[Option] = []
@@ -552,8 +597,8 @@ class _Context:
         if info.path is None and info.model is not None:
             return model_sizing(info.model, self.backend, self.dtype)
         weights = weights_bytes(info.params, self.backend, self.dtype, None)
-        if self.backend == "mlx" and info.path is not None:
-            weights = _disk_bytes(info.path)  # MLX keeps a quantized checkpoint as it is
+        if info.path is not None and (self.backend == "mlx" or self.dtype == "gguf"):
+            weights = _disk_bytes(info.path)  # kept as it is on disk
         return Sizing(weights, kv_bytes_per_token(info.arch, _kv_bytes(self.dtype)),
                       info.arch.context)
 

@@ -24,8 +24,8 @@ from app.ui.render import human_bytes
 from app.ui.train import build_train_controls
 from app.ui.workbench import Choice, Workbench
 
-COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "backends",
-           "context plain / spec", "streams plain / spec")
+COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "memory",
+           "backends", "context plain / spec", "streams plain / spec")
 FIT_CONTEXT = 4096  # the per-stream context the stream counts assume
 
 
@@ -82,6 +82,7 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
             status += ", loaded"
         size = human_bytes(r.download_bytes) + ("" if r.download_exact else " (est.)")
         fit = r.fit
+        memory = human_bytes(fit.memory_bytes) if fit is not None else "—"
         if fit is None:
             context = streams = "—"
         elif not fit.target_fits:
@@ -91,7 +92,7 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
             streams = f"{fit.streams_plain} / {fit.streams_spec}"
         auto = r.plan.choice.kind if r.plan else "—"  # the card says why
         rows.append((p.id, drafter, auto, str(p.k), status, size,
-                     human_bytes(r.disk_bytes) if r.disk_bytes else "—",
+                     human_bytes(r.disk_bytes) if r.disk_bytes else "—", memory,
                      ", ".join(p.backends), context, streams))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
@@ -293,7 +294,9 @@ def build_models_tab(bench: Workbench, bar_component: Any, bar: Callable[[], str
     models_notice = gr.HTML("", elem_id="models-notice")
     gr.Markdown("### Loaded now")
     loaded = gr.HTML(loaded_html(bench), elem_id="models-loaded")
-    gr.Markdown("### Catalogue (models.yaml)\nEach pair is a target and its drafter. Memory fit "
+    gr.Markdown("### Catalogue (models.yaml)\nEach pair is a target and its drafter. Memory: "
+                f"what serving it takes with speculation at {FIT_CONTEXT} tokens (runtime, "
+                "weights, KV caches). Memory fit "
                 "is for this machine: the context one stream can hold, and how many streams "
                 f"of {FIT_CONTEXT} tokens fit, without and with speculation.")
     ids = _pair_ids()

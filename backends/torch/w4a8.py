@@ -79,11 +79,11 @@ def is_exact(max_rows: int = MAX_ROWS) -> bool:
 class W4A8Linear(torch.nn.Module):
     """4-bit weights (groups of 32, bf16 scale and zero) times per-group int8 activations."""
 
-    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor,
+    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int,
                  bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = codes.shape
-        self.packed = pack(codes, scales_zeros)  # plain attribute: never cast
+        self.out_features, self.in_features = out_features, in_features
+        self.packed = packed  # pack()'s layout; a plain attribute: never cast
         self.register_buffer("bias", bias)
         self.float_out = False  # float32 logits (a drafter's output layer): argmax reads them
         # 8x faster than bf16 ones
@@ -96,7 +96,7 @@ class W4A8Linear(torch.nn.Module):
     @classmethod
     def quantize(cls, linear: torch.nn.Linear) -> W4A8Linear:
         codes, scales_zeros = quantize_weight_int4(linear.weight, GROUP)
-        return cls(codes, scales_zeros, bf16_bias(linear))
+        return cls(pack(codes, scales_zeros), *codes.shape, bf16_bias(linear))
 
     def packed_bytes(self) -> int:
         return self.packed.numel()
@@ -114,7 +114,9 @@ class W4A8Linear(torch.nn.Module):
 
 
 def pack(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The kernel's tiled layout of int4 codes [out, in] and their [in/32, out, 2] table."""
+    """The kernel's tiled layout of int4 codes [out, in] and their [in/32, out, 2] table.
+    Tiles of 16 rows follow each other, so the packs of row blocks (multiples of 16) joined in
+    order are the pack of the whole."""
     out_features, in_features = codes.shape
     codes_u8 = codes.to(torch.uint8).contiguous()
     scales = scales_zeros[..., 0].contiguous().view(torch.int16)

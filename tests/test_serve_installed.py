@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.catalogue import planner
 from app.core.types import SamplingParams, SpecdeckError
 from app.serve import prometheus
 from app.serve.pool import Listed, Pool, parse_duration
@@ -295,7 +296,8 @@ def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
     with openai.OpenAI(base_url=roomy, api_key="none", max_retries=0, timeout=120) as client:
         needs = {m.id: m.specdeck["memory_bytes"] for m in client.models.list().data}
     usable = (max(needs.values()) + sum(needs.values())) // 2
-    limit = int(usable / 0.9) + 1  # the pool keeps 10% back
+    # the pool keeps 10% back, and the runtime's share, as the planner does
+    limit = int((usable + planner.RUNTIME_BYTES["torch"]) / 0.9) + 1
     with serve_installed(home, log, "--memory-limit", str(limit)) as url, \
             openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
         assert all(n <= usable for n in needs.values()) and sum(needs.values()) > usable

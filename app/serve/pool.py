@@ -85,13 +85,14 @@ class Pool:
     """Loaded pairs within a memory budget; loads on first use, unloads idle ones."""
 
     def __init__(self, listed: list[Listed], load: Callable[[str], Any], budget_bytes: int,
-                 keep_alive_s: float, max_loaded: int = 0,
+                 keep_alive_s: float, max_loaded: int = 0, runtime_bytes: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  log: Callable[[str], None] = lambda _line: None) -> None:
         self._entries = {item.pair_id: _Entry(item, keep_alive_s) for item in listed}
         self._load, self._clock, self._log = load, clock, log
         self.budget_bytes = budget_bytes
-        self.usable_bytes = int(budget_bytes * (1 - planner.RESERVE))
+        # as the planner counts it: RESERVE kept back, and the process's own runtime
+        self.usable_bytes = int(budget_bytes * (1 - planner.RESERVE)) - runtime_bytes
         self.max_loaded = max_loaded
         self._state = threading.Condition()  # entries' served/refs/last_used
         self._loading = threading.Lock()  # one load at a time

@@ -707,14 +707,14 @@ def _serve_installed(args: argparse.Namespace) -> int:
         raise SpecdeckError("--served-model-name needs --target: without it each installed "
                             "pair is served by its id")
     keep_alive = parse_duration(args.keep_alive, "--keep-alive")
-    listed, budget = installed_pairs(args)
+    listed, budget, runtime = installed_pairs(args)
     listener = listen_socket(args.host, args.port)
     front = Served(engine=None, model_id="specdeck", drafter_name=args.drafter,
                    api_key=args.api_key or None, gate=Gate(args.max_waiting),
                    max_body_bytes=int(args.max_body_mb * 2**20))
     pool = Pool(listed, lambda pair_id: _load_pair(args, front, pair_id), budget, keep_alive,
-                args.max_loaded, log=lambda line: print(f"specdeck: {line}", file=sys.stderr,
-                                                        flush=True))
+                args.max_loaded, runtime_bytes=runtime,
+                log=lambda line: print(f"specdeck: {line}", file=sys.stderr, flush=True))
     _warn_if_open(args.host, front.api_key)
     for item in listed:
         print(f"specdeck: {item.pair_id}: drafter {item.drafter}, needs "
@@ -732,9 +732,10 @@ def _serve_installed(args: argparse.Namespace) -> int:
     return 0
 
 
-def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int]:
+def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
     """The installed pairs with the drafter each would run (the planner's choice, or
-    --drafter) and its memory need; and the memory budget they share."""
+    --drafter) and its memory need; the memory budget they share, and what the process
+    itself takes of it (planner.RUNTIME_BYTES)."""
     from app import store
     from app.catalogue import planner
     from app.catalogue.registry import load_catalogue
@@ -761,7 +762,7 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int]:
         reason = "--drafter" if drafter == args.drafter else plan.choice.reason
         listed.append(Listed(row.pair.id, row.pair.name, drafter, reason, need_bytes(plan.fit),
                              row.pair.target.arch.context))
-    return listed, budget
+    return listed, budget, planner.RUNTIME_BYTES.get(backend, 0)
 
 
 def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:

@@ -227,20 +227,6 @@ def test_an_int8_layer_runs_a_long_prompt_in_float32_where_the_cpu_lacks_native_
     assert (by_hand.float() - kernel.float()).abs().max() < 0.02 * kernel.float().abs().max()
 
 
-@pytest.mark.parametrize("dtype", ["int8"])
-def test_a_prompt_run_in_float32_decodes_the_same_with_and_without_speculation(
-        load_target, dtype, monkeypatch):
-    monkeypatch.setattr(quant, "_float_is_faster", lambda: True)
-    monkeypatch.setattr(Int8Linear, "FLOAT_ROWS", torch_backend.MAX_VERIFY_ROWS + 1)
-    target = load_target(dtype)
-    prompt = (PROMPT * 20)[:torch_backend.MAX_VERIFY_ROWS + 9]
-    params = SamplingParams(max_new_tokens=30)
-    plain = list(SpecEngine(target).generate(prompt, params))[-1]
-    for drafter in (NgramDrafter(), DraftModelDrafter(target, target)):
-        done = list(SpecEngine(target, drafter, k=5).generate(prompt, params))[-1]
-        assert done.token_ids == plain.token_ids
-
-
 def test_int4_is_refused_off_the_cpu_with_the_fix(tiny_folder):
     with pytest.raises(SpecdeckError, match="CPU only"):
         torch_backend.resolve_dtype("int4", "cuda")

@@ -76,9 +76,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 0.
                 "w4a8": 0.625}
 QUANTIZED = ("w8a8", "int4", "w4a8")  # quantized weights, bf16 KV cache
 GGUF_KV_BYTES = 4  # a GGUF computes in float32 between its matmuls, its KV cache included
-# resident memory of a process before any weights: Python, torch, transformers and the server
-# (383 MiB measured after importing app.serve.server with torch here); MLX's is smaller
-RUNTIME_BYTES = {"torch": 400 * 2**20, "mlx": 200 * 2**20}
+# resident memory of a process before any weights: Python, the array library, transformers and
+# the server (after importing app.serve.server here: 383 MiB with torch, 268 MiB with MLX's
+# Linux CPU build)
+RUNTIME_BYTES = {"torch": 400 * 2**20, "mlx": 270 * 2**20}
 W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
 INT4_MAX_BITS = 5.0  # and a source this coarse as int4, where torch has the kernel
 INT4_TORCH = (2, 6)  # the first torch with _weight_int4pack_mm_for_cpu
@@ -537,10 +538,9 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     catalogue = catalogue or load_catalogue()
     info = describe(target, catalogue) if isinstance(target, str) else target
     device = resolve_device(backend, device)
-    fmt, bits = _target_source(info, backend)
     local_gguf = info.path is not None and info.path.suffix == ".gguf"
-    dtype = dtype_for(backend, device, fmt, bits,
-                      gguf=local_gguf or bool(fmt and fmt.startswith("gguf-")))
+    dtype = dtype_for(backend, device, *_target_source(info, backend),
+                      gguf=True if local_gguf else None)  # None: read from the format
     memory = available_memory(backend, device) if memory is None else memory
     ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
     refused: list[Option] = []

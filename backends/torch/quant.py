@@ -14,7 +14,7 @@ over k+1 tokens reproduces one-token decoding exactly:
   minimum (Q4_K's sub-block layout), bf16 activations through `_weight_int4pack_mm_for_cpu`,
   which dequantizes a weight block once and runs every row through it alike. Prompts run on it
   too, in the target's exact blocks: an 8-bit prompt copy gave a prompt's rows other bits
-  than the same rows decoded, so an answer depended on what the cache held (and cost 2 bytes
+  than the same rows decoded, so an answer depended on what the cache held (and cost a byte
   a weight more). The load-time
   check (exactness.py) confirms the row invariance on the model's own layers.
 """
@@ -34,8 +34,9 @@ _ZERO_POINT = 128  # activations go to oneDNN as uint8: value + 128
 class Int8Linear(torch.nn.Module):
     """Weight-only int8 linear layer (per-channel scales, bf16 activations).
 
-    From FLOAT_ROWS rows on (prompts; verify blocks are at most 16 rows) a CPU without native
-    bf16 multiplies in float32 with the weights converted for the call: torch's int8 kernel
+    From FLOAT_ROWS rows on (a drafter's prompt: a target runs every forward in blocks of at
+    most 16 rows) a CPU without native bf16 multiplies in float32 with the weights converted
+    for the call: torch's int8 kernel
     runs its bf16 there at about half the float32 rate (a 1536x8960 layer, 700 rows: 459 ms
     against 314 ms with the conversion, 2-core Zen 3); below 256 rows the conversion costs
     more than it saves.

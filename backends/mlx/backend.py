@@ -254,14 +254,15 @@ class MlxBackend:
 
     def head_drafter(self, kind: str, target: MlxModel, path: str, tree: bool = False) -> Any:
         """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head drafter from its folder, checked
-        against the target; chains only (tree=True is refused: no tree attention here)."""
+        against the target; chains only (tree=True is refused: the MLX head drafts chains,
+        though the MLX target verifies the trees of the model-free drafters)."""
         if kind not in _MLX_HEADS:
             raise SpecdeckError(f"drafter {kind!r} runs on the torch backend only: use "
                                 "--backend torch (MLX runs eagle3 and eagle heads)")
         if tree:
-            raise SpecdeckError(f"EAGLE-2 trees need tree attention, which the MLX backend "
-                                f"lacks (it verifies chains): drop --tree to draft {kind} "
-                                "chains on MLX, or use --backend torch for trees")
+            raise SpecdeckError(f"EAGLE-2 trees are not drafted by the MLX {kind} head yet "
+                                f"(it drafts chains): drop --tree to draft {kind} chains on "
+                                "MLX, or use --backend torch for trees")
         from backends.head_rows import CHAIN_MIN_CONFIDENCE
         from backends.mlx.heads.eagle import load_eagle_head, target_parts
         from backends.mlx.heads.eagle_drafter import MlxEagleDrafter

@@ -130,12 +130,11 @@ def test_preference_puts_mtp_first_then_shipped_heads_then_draft_models_then_no_
     assert planner.preference("mlx", "gpu")[-2:] == ("ngram", "lookahead")
 
 
-def test_on_mlx_lookahead_is_refused_because_its_tree_would_shrink_to_one_chain(catalogue):
+def test_on_mlx_lookahead_runs_its_tree_and_ranks_after_lookup(catalogue):
     plan = planner.plan("smollm2-135m+ngram", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert plan.choice.kind == "ngram"
-    assert [(o.kind, o.reason) for o in plan.refused] == [
-        ("lookahead", "mlx verifies chains only: lookahead's tree would shrink to its first "
-                      "chain")]
+    assert plan.refused == ()
+    assert [o.kind for o in plan.passed] == ["lookahead"]
 
 
 def test_on_mlx_head_kinds_of_the_torch_backend_are_refused_and_eagle3_runs(catalogue):

@@ -615,9 +615,6 @@ class _Context:
         if option.kind in TORCH_ONLY and self.backend == "mlx":
             return "runs on the torch backend only (mlx runs eagle3 and eagle heads)"
         if option.kind in MODEL_FREE:
-            if option.kind == "lookahead" and self.backend == "mlx":
-                return ("mlx verifies chains only: lookahead's tree would shrink to its first "
-                        "chain")
             return ""  # no weights, no KV cache of its own: it fits wherever the target does
         if option.kind == "draft" and option.model.params > self.info.params * MAX_DRAFT_RATIO:
             share = option.model.params / self.info.params

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
 from backends.gguf import hf_folder
+from backends.mlx import tree as mlx_tree
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
 _DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
@@ -60,10 +61,10 @@ def resolve_dtype(dtype: str, device: mx.Device, stored: mx.Dtype) -> mx.Dtype:
 
 
 class MlxSession:
-    """One mlx-lm prompt cache; forward appends, rewind trims to an absolute length.
+    """One mlx-lm prompt cache; forward appends a chain or a tree, keep and rewind cut it back.
 
-    Chains only: mlx-lm applies RoPE from the cache's scalar offset, so a tree's rows cannot
-    take their own positions (the engine verifies a tree's first chain here).
+    A tree forward (parents given) runs its rows in one call at their own positions under an
+    ancestor mask (backends/mlx/tree.py); a chain runs as mlx-lm runs it, untouched.
     """
 
     def __init__(self, model: MlxModel, capture_layers: Sequence[int]) -> None:
@@ -86,10 +87,10 @@ class MlxSession:
     def forward(self, token_ids: Sequence[int], n_logits: int = 1,
                 parents: Sequence[int] | None = None,
                 capture: Sequence[int] = ()) -> TargetOutput:
-        if parents is not None and tuple(parents) != tuple(range(-1, len(token_ids) - 1)):
-            raise SpecdeckError("the MLX backend verifies chains only (no tree attention)")
+        tree = self._tree(parents, len(token_ids))
         with self._recording((*self._capture, *capture)) as captured:
-            logits = self.logits(list(token_ids), n_logits)  # [n_logits, vocab]
+            logits = (self.logits(list(token_ids), n_logits) if tree is None  # [n_logits, vocab]
+                      else self._tree_logits([int(t) for t in token_ids], tree, n_logits))
         hidden = {i: mx.concatenate(rows, axis=0) for i, rows in captured.items()}
         argmax = mx.argmax(logits, axis=-1)
         mx.eval(argmax, logits, *hidden.values())
@@ -98,9 +99,43 @@ class MlxSession:
                             hidden_states=hidden)
 
     def keep(self, length: int, rows: Sequence[int]) -> None:
-        if tuple(rows) != tuple(range(len(rows))):
-            raise SpecdeckError("the MLX backend keeps chain prefixes only (no tree attention)")
-        self.rewind(length + len(rows))
+        rows = [int(r) for r in rows]
+        if rows == list(range(len(rows))):
+            self.rewind(length + len(rows))
+            return
+        self._refuse_trees()
+        if any(not 0 <= length + r < self.length for r in rows):
+            raise ValueError(f"cannot keep rows {rows} after {length} of {self.length} tokens")
+        mlx_tree.keep_path(self._cache, length, rows)
+        self._ids[length:] = [self._ids[length + r] for r in rows]
+
+    def _tree(self, parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+        """parents as a tuple when they describe a tree, None for a chain (or none given)."""
+        if parents is None:
+            return None
+        parents = tuple(int(p) for p in parents)
+        if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+            raise ValueError(f"parents must precede their rows: {parents}")
+        if parents == tuple(range(-1, n - 1)):
+            return None
+        self._refuse_trees()
+        return parents
+
+    def _refuse_trees(self) -> None:
+        if not self._model.capabilities.tree_attention:
+            raise SpecdeckError(f"{self._model.name} cannot verify trees on MLX: "
+                                f"{self._model.capabilities.reason}")
+
+    def _tree_logits(self, token_ids: list[int], parents: tuple[int, ...],
+                     n_logits: int) -> mx.array:
+        """Append a tree's rows in one call; lazy logits [n_logits, vocab] of its last rows."""
+        self._ids.extend(token_ids)
+        n = min(max(n_logits, 1), len(token_ids))
+        net = self._model.net
+        # the positions and mask are read while the graph is built, inside the context
+        with mx.stream(self._model.stream), mlx_tree.tree_rows(net, self._cache, parents,
+                                                                self._model.compute_dtype):
+            return net(mx.array(token_ids)[None], cache=self._cache)[0, len(token_ids) - n:]
 
     def logits(self, token_ids: Sequence[int] | mx.array, n_logits: int = 1) -> mx.array:
         """Append token_ids; lazy logits [n_logits, vocab] of the last inputs, on the device.
@@ -167,7 +202,10 @@ class MlxModel:
         self.eos_token_ids = _eos_ids(text.get("eos_token_id"), tokenizer)
         self.n_layers = len(net.layers)
         self.dtype = _describe_dtype(net, config)
-        self.capabilities = Capabilities(rewind=True, hidden_states=True)
+        self.compute_dtype = _stored_dtype(net)  # the activations' (a tree mask's) dtype
+        why_not = mlx_tree.unsupported(net)
+        self.capabilities = Capabilities(rewind=True, hidden_states=True,
+                                         tree_attention=not why_not, reason=why_not)
         self.vocab_size = int(self.start().logits([0]).shape[-1])  # rows of the output layer
 
     def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> MlxSession:
@@ -216,14 +254,15 @@ class MlxBackend:
 
     def head_drafter(self, kind: str, target: MlxModel, path: str, tree: bool = False) -> Any:
         """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head drafter from its folder, checked
-        against the target; chains only (tree=True is refused: no tree attention here)."""
+        against the target; chains only (tree=True is refused: the MLX head drafts chains,
+        though the MLX target verifies the trees of the model-free drafters)."""
         if kind not in _MLX_HEADS:
             raise SpecdeckError(f"drafter {kind!r} runs on the torch backend only: use "
                                 "--backend torch (MLX runs eagle3 and eagle heads)")
         if tree:
-            raise SpecdeckError(f"EAGLE-2 trees need tree attention, which the MLX backend "
-                                f"lacks (it verifies chains): drop --tree to draft {kind} "
-                                "chains on MLX, or use --backend torch for trees")
+            raise SpecdeckError(f"EAGLE-2 trees are not drafted by the MLX {kind} head yet "
+                                f"(it drafts chains): drop --tree to draft {kind} chains on "
+                                "MLX, or use --backend torch for trees")
         from backends.head_rows import CHAIN_MIN_CONFIDENCE
         from backends.mlx.heads.eagle import load_eagle_head, target_parts
         from backends.mlx.heads.eagle_drafter import MlxEagleDrafter

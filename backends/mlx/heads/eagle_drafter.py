@@ -5,14 +5,15 @@ Knows: the Drafter protocol, the head API of backends/mlx/heads/eagle.py, the sh
 pipeline, mlx arrays and streams; the head's rows are kept by backends/head_rows.py. Must not
 know: verification, the target's cache.
 
-The same drafter as backends/torch/heads/eagle_drafter.py, chains only (an MLX session
-verifies chains: EAGLE-2 trees are refused by MlxBackend.head_drafter). Alignment (HEADS.md
-1.2, 1.3): the head row at position t reads the target's state at t and the embedding of
-token t + 1; its output scores token t + 2. The head's KV cache holds only rows built from
-target states, so it follows the accepted path: the verify forward's states for the pending
-token and the accepted drafts arrive in `accept` and are read at the next `propose`, whose
-context supplies their tokens (a chain's drafted rows never stay). Greedy chains stay on the
-device until the chain is read back once; sampled chains report q over the target vocabulary.
+The same drafter as backends/torch/heads/eagle_drafter.py, chains only (the head's own
+attention takes consecutive rows: EAGLE-2 trees are refused by MlxBackend.head_drafter).
+Alignment (HEADS.md 1.2, 1.3): the head row at position t reads the target's state at t and
+the embedding of token t + 1; its output scores token t + 2. The head's KV cache holds only
+rows built from target states, so it follows the accepted path: the verify forward's states
+for the pending token and the accepted drafts arrive in `accept` and are read at the next
+`propose`, whose context supplies their tokens (a chain's drafted rows never stay). Greedy
+chains stay on the device until the chain is read back once; sampled chains report q over
+the target vocabulary.
 """
 
 from __future__ import annotations

@@ -81,10 +81,14 @@ def _no_heads_trained_on_this_machine():
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from app.core import compute
+
     """Let the app's background threads (a pair loading at start, a download, a bench run, a
     generation) end before the interpreter does: one still inside torch or MLX at exit aborts
     the process ("terminate called without an active exception"), and the run exits 134
     after every test passed."""
     for thread in threading.enumerate():
-        if thread.daemon and thread.name.startswith("specdeck-"):
+        if (thread.daemon and thread.name.startswith("specdeck-")
+                and thread.name != compute.THREAD_NAME):
             thread.join(timeout=120)
+    compute.quiet(timeout=120)  # it lives as long as the process: wait for its jobs only

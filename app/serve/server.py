@@ -10,7 +10,9 @@ events.
 Threads: each generation runs on its own worker thread, never on the event loop, and so does
 each request's parsing and tokenizing (a 20 MB prompt must not freeze /health). The worker
 holds engine.lock for the whole generation, so requests queue per model, and it closes the
-engine's generator in a finally: a client that disconnects leaves the cache rewound.
+engine's generator in a finally: a client that disconnects leaves the cache rewound. The
+generation's steps, loads and warm-ups themselves run on the process's one compute thread
+(app/core/compute.py: OpenMP slows every thread once two have computed).
 Admission (app/serve/admission.py) bounds the body size and the queue; a client that leaves,
 streaming or not, and server shutdown (SIGTERM, SIGINT) cancel the generation.
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations, and
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app import drafters
+from app.core import compute
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 from app.flags import DEFAULT_K, add_model_arguments
 from app.serve.admission import Gate, Ticket, read_body, require_json
@@ -216,7 +219,7 @@ def make_job(served: Served, request: OpenAIRequest, prompt_ids: list[int]) -> J
     except SpecdeckError as error:
         raise ApiError(str(error), "messages" if isinstance(request, ChatRequest)
                        else "prompt", code="context_length_exceeded") from error
-    drafter, name = served.drafter_for(request.drafter)
+    drafter, name = compute.call(served.drafter_for, request.drafter)  # may build a drafter
     return Job(prompt_ids=prompt_ids, params=sampling(request, engine.target.context_length),
                drafter=drafter, drafter_name=name, k=served.k_for(name, request.k))
 
@@ -298,8 +301,9 @@ class Run:
 
     def _generate(self, engine: Any) -> Done | None:
         done = None
-        events = engine.generate(self.job.prompt_ids, self.job.params, self.cancel,
-                                 drafter=self.job.drafter, k=self.job.k)
+        events = compute.steps(engine.generate(self.job.prompt_ids, self.job.params,
+                                               self.cancel, drafter=self.job.drafter,
+                                               k=self.job.k))
         try:
             for event in events:
                 self._put(event)
@@ -667,9 +671,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.target:
         return _serve_installed(args)
     listener = listen_socket(args.host, args.port)  # before the model: a taken port fails fast
-    loaded = load_engine(args)
+    loaded = compute.call(load_engine, args)
     engine = loaded.engine
-    engine.warm_up()  # the first request does not pay for timing the verify costs
+    compute.call(engine.warm_up)  # the first request does not pay for timing the verify costs
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=request_k_default(args.k),
@@ -684,6 +688,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(build_app(served), log_level="warning",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     cancelling_server()(config, served.gate).run(sockets=[listener])
+    compute.quiet(SHUTDOWN_GRACE_S)  # the cancelled generation's last step ends inside torch
     return 0
 
 
@@ -729,6 +734,7 @@ def _serve_installed(args: argparse.Namespace) -> int:
         cancelling_server()(config, front.gate).run(sockets=[listener])
     finally:
         pool.stop()
+        compute.quiet(SHUTDOWN_GRACE_S)
     return 0
 
 
@@ -771,8 +777,8 @@ def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
 
     flags = argparse.Namespace(**{**vars(args), "target": pair_id,
                                   "drafter": args.drafter})
-    loaded = load_engine(flags)
-    loaded.engine.warm_up()
+    loaded = compute.call(load_engine, flags)
+    compute.call(loaded.engine.warm_up)
     for note in loaded.notes:
         print(f"specdeck: {pair_id}: {note}", file=sys.stderr)
     return Served(engine=loaded.engine, model_id=pair_id, drafter_name=loaded.drafter_name,

@@ -24,6 +24,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from app.core import compute
 from app.paths import home
 from app.ui.chat import k_control, notice
 from app.ui.inputs import BENCH_LIMIT, BENCH_MAX_NEW, parse_k, whole
@@ -211,9 +212,9 @@ class BenchHandlers:
             # the run goes on and no chat may interleave with it until it ends
             try:
                 with self.bench.hold():
-                    result["report"] = benchmark.run_bench(
-                        self.bench.target, prompts, settings, backend=self.bench.backend,
-                        draft=self.bench.draft, log=lines.put)
+                    result["report"] = compute.call(
+                        benchmark.run_bench, self.bench.target, prompts, settings,
+                        backend=self.bench.backend, draft=self.bench.draft, log=lines.put)
             except Busy as error:
                 result["busy"] = str(error)
             except Exception as error:  # noqa: BLE001 - shown in the page, the app stays up

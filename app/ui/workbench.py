@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app import drafters
+from app.core import compute
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
 from app.drafters.pairing import check_vocab_compatible
@@ -87,7 +88,14 @@ class Workbench:
              head: str | None = None,
              progress: Callable[[str], None] = lambda _stage: None) -> None:
         """Load models through the backend; the caller holds `busy` (no generation runs).
-        progress(stage) hears each stage, for a page that shows the load as it goes."""
+        progress(stage) hears each stage, for a page that shows the load as it goes. The load
+        and its warm-ups run on the compute thread, as generations do (app/core/compute.py)."""
+        compute.call(self._load, target_path, draft_path, label, pair_id, auto_kind, head,
+                     progress)
+
+    def _load(self, target_path: str, draft_path: str | None, label: str,
+              pair_id: str | None, auto_kind: Choice | None, head: str | None,
+              progress: Callable[[str], None]) -> None:
         from backends import load_backend
 
         if not os.path.exists(target_path):
@@ -205,9 +213,9 @@ class Workbench:
             self._engines[lane] = self._new_engine(lane)
         if choice.kind not in self._drafters:
             base = choice.kind.removesuffix(drafters.TREE_SUFFIX)
-            self._drafters[choice.kind] = drafters.build_drafter(
-                base, self.target, backend=self.backend, draft=self.draft, head=self.head,
-                tree=base != choice.kind)
+            self._drafters[choice.kind] = compute.call(  # a head loads its weights
+                drafters.build_drafter, base, self.target, backend=self.backend,
+                draft=self.draft, head=self.head, tree=base != choice.kind)
         return Bound(self._engines[lane], self._drafters[choice.kind],
                      0 if choice.kind == "none" else k), choice
 
@@ -274,7 +282,8 @@ class Bound:
 
     def generate(self, prompt_ids: Sequence[int], params: Any,
                  cancel: threading.Event | None = None) -> Iterator[Any]:
-        return self.engine.generate(prompt_ids, params, cancel, drafter=self.drafter, k=self.k)
+        return compute.steps(self.engine.generate(prompt_ids, params, cancel,
+                                                  drafter=self.drafter, k=self.k))
 
 
 def warm_up(model: Any) -> None:

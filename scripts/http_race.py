@@ -1,82 +1,138 @@
-"""Interleaved plain vs default-drafter (and llama-server) timing over HTTP, per prompt set.
-Usage: http_race.py SPECDECK_URL OUT.json [limit] [max_tokens] [LLAMA_SERVER_URL]"""
-import json, sys, time, statistics
+"""Plain against default settings (and llama-server) over HTTP, interleaved, per prompt set.
+
+Usage: http_race.py SPECDECK_URL OUT.json [--limit N] [--max-tokens N] [--llama URL]
+
+Each prompt is asked three ways in turn (specdeck with `"drafter": "none"`, specdeck with
+its defaults, llama-server), each after a short other request, so no reply reuses the last
+one's prompt cache; the order alternates between prompts so drift does not favour one side.
+Speed is completion tokens over the request's wall time, prefill included: what a client waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
 import httpx
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from app.bench.prompts import load_prompts
 
-url, out = sys.argv[1], sys.argv[2]
-limit = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 128
-sets = {"chat": load_prompts("mt-bench", limit=1)[:limit],
-        "code": load_prompts("humaneval", limit=limit),
-        "math": load_prompts("spec-bench:math_reasoning", limit=limit)}
-for cat in ("mt_bench", "translation", "summarization", "qa", "rag"):
-    sets[f"spec-bench:{cat}"] = load_prompts(f"spec-bench:{cat}", limit=max(1, limit - 1))
-client = httpx.Client(timeout=600)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from app.bench.prompts import load_prompts  # noqa: E402
 
-llama = sys.argv[5] if len(sys.argv) > 5 else None  # llama-server's /v1 URL
+SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "rag")
 
-def flush(base):
-    # a short other prompt between timed requests: no request reuses the last one's prompt
-    # cache (the prompt's prefill is part of what a user waits for)
-    client.post(f"{base}/chat/completions", json={"messages": [{"role": "user", "content":
-                "Name a colour."}], "max_tokens": 1, "temperature": 0}).raise_for_status()
 
-def ask(text, drafter, base=None):
-    base = base or url
-    flush(base)
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0}
-    if drafter:
-        body["drafter"] = drafter
-    t = time.perf_counter()
-    r = client.post(f"{base}/chat/completions", json=body)
-    wall = time.perf_counter() - t
-    r.raise_for_status()
-    data = r.json()
-    return wall, data["usage"]["completion_tokens"], data["choices"][0]["message"]["content"], data.get("speculative")
+def prompt_sets(limit: int) -> dict[str, list]:
+    sets = {"chat": load_prompts("mt-bench", limit=1)[:limit],
+            "code": load_prompts("humaneval", limit=limit),
+            "math": load_prompts("spec-bench:math_reasoning", limit=limit)}
+    for category in SPEC_BENCH:
+        sets[f"spec-bench:{category}"] = load_prompts(f"spec-bench:{category}",
+                                                      limit=max(1, limit - 1))
+    return sets
 
-for _ in range(600):
-    try:
-        client.get(f"{url}/models").raise_for_status(); break
-    except httpx.HTTPError:
-        time.sleep(1)
-ask("Say hi.", "none"); ask("Say hi.", None)  # warm both paths
-if llama:
-    ask("Say hi.", None, llama)
-rows, flip = [], False
-for name, prompts in sets.items():
-    for p in prompts:
-        order = [("plain", "none", None), ("default", None, None)]
-        if llama:
-            order.append(("llama", None, llama))
-        if flip: order.reverse()
-        flip = not flip
-        got = {}
-        for label, d, base in order:
-            got[label] = ask(p.text, d, base)
-        (pw, pn, pt, _), (dw, dn, dt, ds) = got["plain"], got["default"]
-        row = dict(set=name, id=p.id, plain_tok_s=pn / pw, default_tok_s=dn / dw,
-                   ratio=(dn / dw) / (pn / pw), same=pt == dt, tokens=dn,
-                   spec={k: v for k, v in (ds or {}).items() if k in ("draft_acceptance_rate", "num_draft_tokens", "prefill_s", "draft_s", "verify_s")})
-        if llama:
-            lw, ln, lt, _ = got["llama"]
-            row.update(llama_tok_s=ln / lw, vs_llama=(dn / dw) / (ln / lw),
-                       plain_vs_llama=(pn / pw) / (ln / lw))
-        rows.append(row)
-        print(f"{name:24s} {p.id:>8s} plain {pn/pw:6.2f} default {dn/dw:6.2f} tok/s  {row['ratio']:.2f}x same={pt==dt}"
-              + (f" llama {row['llama_tok_s']:6.2f} default/llama {row['vs_llama']:.2f}x" if llama else "")
-              + f" {json.dumps(row['spec'])}", flush=True)
-summary = {}
-for name in sets:
-    r = [x["ratio"] for x in rows if x["set"] == name]
-    summary[name] = statistics.median(r)
-    extra = ""
+
+class Asker:
+    def __init__(self, max_tokens: int) -> None:
+        self.client = httpx.Client(timeout=600)
+        self.max_tokens = max_tokens
+
+    def wait_for(self, base: str) -> None:
+        for _ in range(600):
+            try:
+                self.client.get(f"{base}/models").raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(1)
+        raise SystemExit(f"{base} never answered")
+
+    def ask(self, base: str, text: str, drafter: str | None) -> dict:
+        self._post(base, "Name a colour.", 1, None)  # the next prompt finds no cached prefix
+        start = time.perf_counter()
+        data = self._post(base, text, self.max_tokens, drafter)
+        wall = time.perf_counter() - start
+        tokens = data["usage"]["completion_tokens"]
+        return {"tok_s": tokens / wall, "tokens": tokens, "spec": data.get("speculative") or {},
+                "text": data["choices"][0]["message"]["content"]}
+
+    def _post(self, base: str, text: str, max_tokens: int, drafter: str | None) -> dict:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "temperature": 0}
+        if drafter:
+            body["drafter"] = drafter
+        response = self.client.post(f"{base}/chat/completions", json=body)
+        response.raise_for_status()
+        return response.json()
+
+
+def race(asker: Asker, url: str, llama: str | None, sets: dict[str, list]) -> list[dict]:
+    ways = [("plain", url, "none"), ("default", url, None)]
     if llama:
-        v = [x["vs_llama"] for x in rows if x["set"] == name]
-        q = [x["plain_vs_llama"] for x in rows if x["set"] == name]
-        summary[name + " vs llama"] = statistics.median(v)
-        extra = f"  default/llama.cpp {statistics.median(v):.2f}x  plain/llama.cpp {statistics.median(q):.2f}x"
-    print(f"MEDIAN {name:24s} default/plain {summary[name]:.2f}x{extra}  (n={len(r)})")
-json.dump({"rows": rows, "summary": summary}, open(out, "w"), indent=1)
+        ways.append(("llama", llama, None))
+    rows = []
+    for n, (name, prompt) in enumerate((s, p) for s, ps in sets.items() for p in ps):
+        order = ways if n % 2 == 0 else ways[::-1]
+        got = {label: asker.ask(base, prompt.text, drafter) for label, base, drafter in order}
+        rows.append(row_of(name, prompt.id, got))
+        print(line_of(rows[-1]), flush=True)
+    return rows
+
+
+def row_of(name: str, prompt_id: str, got: dict) -> dict:
+    plain, default = got["plain"], got["default"]
+    row = {"set": name, "id": prompt_id, "plain_tok_s": plain["tok_s"],
+           "default_tok_s": default["tok_s"], "ratio": default["tok_s"] / plain["tok_s"],
+           "same": plain["text"] == default["text"], "tokens": default["tokens"],
+           "spec": {k: v for k, v in default["spec"].items()
+                    if k in ("drafter", "k", "draft_acceptance_rate", "num_draft_tokens")}}
+    if "llama" in got:
+        llama = got["llama"]["tok_s"]
+        row.update(llama_tok_s=llama, vs_llama=default["tok_s"] / llama,
+                   plain_vs_llama=plain["tok_s"] / llama)
+    return row
+
+
+def line_of(row: dict) -> str:
+    text = (f"{row['set']:24s} {row['id']:>8s} plain {row['plain_tok_s']:6.2f} default "
+            f"{row['default_tok_s']:6.2f} tok/s {row['ratio']:.2f}x same={row['same']}")
+    if "llama_tok_s" in row:
+        text += f" llama {row['llama_tok_s']:6.2f} default/llama {row['vs_llama']:.2f}x"
+    return text + " " + json.dumps(row["spec"])
+
+
+def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
+    summary = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        medians = {"default/plain": statistics.median(r["ratio"] for r in mine), "n": len(mine)}
+        if "vs_llama" in mine[0]:
+            medians["default/llama"] = statistics.median(r["vs_llama"] for r in mine)
+            medians["plain/llama"] = statistics.median(r["plain_vs_llama"] for r in mine)
+        summary[name] = medians
+        print(f"MEDIAN {name:24s} " + "  ".join(f"{k} {v:.2f}" for k, v in medians.items()))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url", help="specdeck serve's /v1 URL")
+    parser.add_argument("out", help="JSON file for the rows and medians")
+    parser.add_argument("--limit", type=int, default=3, help="prompts per set")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--llama", help="llama-server's /v1 URL")
+    args = parser.parse_args()
+    asker = Asker(args.max_tokens)
+    for base in filter(None, (args.url, args.llama)):
+        asker.wait_for(base)
+        asker.ask(base, "Say hi.", None)  # load and warm before anything is timed
+    asker.ask(args.url, "Say hi.", "none")
+    rows = race(asker, args.url, args.llama, prompt_sets(args.limit))
+    summary = summarise(rows)
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

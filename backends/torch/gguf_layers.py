@@ -38,6 +38,8 @@ class Part:
         self.packed = packed  # kquant tiles, rows in HF order; data is then never read
         self.path: Path | None = None  # the file data maps, where it maps one
         self._info = info
+        self.packed_rows = info.rows  # a row selection's tiles may hold more than it keeps
+        self._packed_at = 0 if packed is None else packed.ctypes.data  # read once, not per step
 
     def rows(self, ids: np.ndarray) -> Part:
         """The part restricted to its output rows ids (a drafter's vocabulary subset)."""
@@ -82,18 +84,15 @@ class Part:
             ggml.matmul(self.ggml_type, self.data, self.order, self.out_features, x, self.bias,
                         out, column, quantized)
         elif self.packed_rows == self.out_features:
-            kquant.matmul(self.ggml_type, self.packed, self.out_features, x, self.bias, out,
-                          column)
+            kquant.matmul_at(self.ggml_type, self._packed_at, self.out_features, x, self.bias,
+                             out, column)
         else:
             full = torch.empty((x.shape[0], self.packed_rows), dtype=torch.float32)
-            kquant.matmul(self.ggml_type, self.packed, self.packed_rows, x, None, full, 0)
+            kquant.matmul_at(self.ggml_type, self._packed_at, self.packed_rows, x, None, full,
+                             0)
             part = full[:, :self.out_features]
             out[:, column:column + self.out_features] = (part if self.bias is None
                                                           else part + self.bias)
-
-    @property
-    def packed_rows(self) -> int:
-        return self._info.rows
 
 
 class GgufLinear(torch.nn.Module):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -76,16 +77,36 @@ def pack(ggml_type: int, stored: np.ndarray, out_features: int, in_features: int
 def matmul(ggml_type: int, packed: np.ndarray, out_features: int, x: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, column: int) -> None:
     """out[:, column:column+out_features] = x (float32 [rows, in]) times the packed weight."""
+    matmul_at(ggml_type, packed.ctypes.data, out_features, x, bias, out, column)
+
+
+def matmul_at(ggml_type: int, packed: int, out_features: int, x: torch.Tensor,
+              bias: torch.Tensor | None, out: torch.Tensor, column: int) -> None:
+    """matmul with the packed weight given by its address: a decode step makes about 200 of
+    these calls, so what Python does per call is kept to the call itself."""
     rows, in_features = x.shape
     library = _library()
-    scratch = np.empty(MAX_ROWS * in_features + 12 * MAX_ROWS * (in_features // 32), np.uint8)
+    scratch = _scratch(in_features)
     stride = out.shape[1]
+    bias_at = 0 if bias is None else bias.data_ptr()
     for start in range(0, rows, MAX_ROWS):
-        chunk = x[start:start + MAX_ROWS]
         target = out.data_ptr() + 4 * (start * stride + column)
-        status = library.kq_matmul(ggml_type, packed.ctypes.data, out_features, in_features,
-                                   chunk.data_ptr(), chunk.shape[0],
-                                   0 if bias is None else bias.data_ptr(), target, stride,
-                                   scratch.ctypes.data)
+        status = library.kq_matmul(ggml_type, packed, out_features, in_features,
+                                   x.data_ptr() + 4 * start * in_features,
+                                   min(MAX_ROWS, rows - start), bias_at, target, stride, scratch)
         if status != 0:
             raise ValueError(f"kquant cannot multiply {rows} rows of {in_features}")
+
+
+_scratches = threading.local()  # per thread: two threads never share one buffer
+
+
+def _scratch(in_features: int) -> int:
+    """The address of a buffer for MAX_ROWS rows of in_features quantized activations."""
+    buffers = getattr(_scratches, "buffers", None)
+    if buffers is None:
+        buffers = _scratches.buffers = {}
+    if in_features not in buffers:
+        buffers[in_features] = np.empty(MAX_ROWS * in_features
+                                        + 12 * MAX_ROWS * (in_features // 32), np.uint8)
+    return buffers[in_features].ctypes.data

@@ -1,19 +1,20 @@
 """The contracts between the engine and an array library.
 
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
-from a drafter (Drafter); what a forward pass returns (TargetOutput); what a backend can do
-(Capabilities). Must not know: torch, mlx, transformers. Adapters in backends/ implement
-these protocols; the engine in app/core/engine.py consumes them.
+from a drafter (Drafter); what a backend can do (Capabilities); TargetOutput
+(app/core/output.py) is re-exported here. Must not know: torch, mlx, transformers. Adapters
+in backends/ implement these protocols; the engine in app/core/engine.py consumes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from app.core.output import TargetOutput
 from app.core.types import Draft, SamplingParams, Verdict
 
 
@@ -25,28 +26,6 @@ class Capabilities:
     hidden_states: bool = False  # can capture chosen layers' hidden states for heads
     tree_attention: bool = False  # Session.forward takes `parents` (tree drafts)
     reason: str = ""  # why a capability is missing, named in refusals
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    """Rows of one forward pass: row i scores the token after input i.
-
-    argmax: per-row argmax ids (all greedy needs to leave the device).
-    logits: host numpy [rows, vocab] float32, produced lazily by `host_logits`.
-    hidden_states: captured layer index -> backend array [input rows, hidden] (every input
-    row, not only the last n_logits), for heads; only the layers the forward asked for.
-    """
-
-    argmax: tuple[int, ...]
-    logits_fn: Any = field(repr=False, default=None)
-    hidden_states: Mapping[int, Any] = field(default_factory=dict)
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.argmax)
-
-    def host_logits(self) -> np.ndarray:
-        return self.logits_fn()
 
 
 @runtime_checkable

@@ -48,8 +48,8 @@ class Recording:
         self.blocks.append(list(draft.tokens))
         return draft
 
-    def accept(self, verdict, verified):
-        self.inner.accept(verdict, verified)
+    def accept(self, feed):
+        self.inner.accept(feed)
 
 
 def test_each_round_drafts_the_block_the_reference_drafted(target):

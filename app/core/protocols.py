@@ -1,9 +1,10 @@
 """The contracts between the engine and an array library.
 
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
-from a drafter (Drafter); what a backend can do (Capabilities); TargetOutput
-(app/core/output.py) is re-exported here. Must not know: torch, mlx, transformers. Adapters
-in backends/ implement these protocols; the engine in app/core/engine.py consumes them.
+from a drafter (Drafter), which reads each forward through a StepFeed (app/core/feed.py);
+what a backend can do (Capabilities); TargetOutput (app/core/output.py) is re-exported here.
+Must not know: torch, mlx, transformers. Adapters in backends/ implement these protocols; the
+engine in app/core/engine.py consumes them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from app.core.feed import StepFeed
 from app.core.output import TargetOutput
-from app.core.types import Draft, SamplingParams, Verdict
+from app.core.types import Draft, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -103,20 +105,21 @@ class Model(Protocol):
 class Drafter(Protocol):
     """Proposes draft tokens; told the outcome of each verification.
 
-    Lifecycle: begin(prompt, first_output, params, rng), then per step propose(context, k)
-    -> Draft (a chain, or a tree no deeper than k) and accept(verdict, verified_output). The
-    engine captures `capture_layers` on every target forward this drafter's steps run.
+    Lifecycle: begin(prompt, feed, params, rng) with the prefill's feed, then per step
+    propose(context, k) -> Draft (a chain, or a tree no deeper than k) and accept(feed) with
+    the verify's. The engine captures `capture_layers` on every target forward this drafter's
+    steps run; a feed carries their hidden states at the rows the engine kept.
     """
 
     name: str
     capture_layers: tuple[int, ...]  # target layers whose hidden states `accept` needs
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None: ...
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None: ...
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None: ...
+    def accept(self, feed: StepFeed) -> None: ...
 
 
 class NoDrafter:
@@ -125,14 +128,14 @@ class NoDrafter:
     name = "none"
     capture_layers: tuple[int, ...] = ()
 
-    def begin(self, prompt_ids: Sequence[int], first_output: object,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         return None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         return Draft()
 
-    def accept(self, verdict: Verdict, verified: object) -> None:
+    def accept(self, feed: StepFeed) -> None:
         return None
 
 

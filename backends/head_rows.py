@@ -1,15 +1,14 @@
 """HeadRows: the bookkeeping an EAGLE head drafter keeps so its KV cache follows the accepted
 path, shared by the torch and MLX drafters.
 
-Knows: the Drafter protocol's begin/accept calls, which rows of a verify forward carry the
-pending token and the accepted drafts, and the alignment of HEADS.md 1.2-1.3 (the head row at
-position t reads the target's state at t and the embedding of token t + 1). Must not know: an
-array library (a subclass takes rows and joins arrays), the head's modules, drafting.
+Knows: the Drafter protocol's begin/accept calls and their StepFeed (the engine's kept rows,
+their positions and the token after each), and the alignment of HEADS.md 1.2-1.3 (the head
+row at position t reads the target's state at t and the embedding of token t + 1). Must not
+know: an array library (a subclass joins arrays), the head's modules, drafting.
 
 State: committed head rows (`_rows`, their positions; `_past`, the head's KV per layer as
-[batch, heads, rows, dim] pairs), the target states that arrived since the last propose
-(`_pending`, from position `_pending_start` up to `_fed_upto`), the context the rows were
-built from (`_ctx`) and the head's output at the last row (`_root`).
+[batch, heads, rows, dim] pairs), the feeds that arrived since the last propose (`_pending`),
+the context the rows were built from (`_ctx`) and the head's output at the last row (`_root`).
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from app.core.protocols import TargetOutput
-from app.core.types import SamplingParams, Verdict, common_prefix_length
+from app.core.protocols import StepFeed
+from app.core.types import SamplingParams, common_prefix_length
 
 # a chain stops drafting once the head's own probability that all its drafts are right falls
 # below this (HeadRows.confident)
@@ -28,7 +27,7 @@ CHAIN_MIN_CONFIDENCE = 0.2
 
 
 class HeadRows:
-    """Where the head's rows stand; subclasses supply `_take` and `_join` for their arrays."""
+    """Where the head's rows stand; subclasses supply `_join` for their arrays."""
 
     capture_layers: tuple[int, ...] = ()
     min_confidence = 0.0
@@ -44,50 +43,37 @@ class HeadRows:
         self._past: list[tuple[Any, Any]] | None = None  # committed head rows' KV
         self._rows: list[int] = []  # position of each committed row
         self._ctx: list[int] = []  # tokens of the context the rows were built from
-        self._pending: list[dict[int, Any]] = []  # target states not yet read
-        self._pending_start = 0  # position of the first pending row
-        self._fed_upto = 0  # rows exist (committed or pending) for positions below this
+        self._pending: list[StepFeed] = []  # feeds whose target states are not yet read
+        self._next = 0  # position of the token after the last fed row: the pending token's
         self._root: tuple[Any, Any] | None = None  # logits, feedback
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         self._params, self._rng = params, rng
         prompt = [int(t) for t in prompt_ids]
-        states = self._states(first_output, None)
-        n_rows = next(iter(states.values())).shape[0]
         # a committed row t read tokens up to t + 1: it stays while those match the prompt
         self._truncate(common_prefix_length(self._ctx, prompt) - 2)
-        start = len(prompt) - n_rows  # the prefill covered positions start .. len - 1
-        first = max(start, self._rows[-1] + 1 if self._rows else 0)
-        self._pending = [{i: s[first - start:] for i, s in states.items()}]
-        self._pending_start, self._fed_upto = first, len(prompt)
+        self._pending = [feed.since(self._rows[-1] + 1 if self._rows else 0)]
+        self._next = feed.end
         self._ctx, self._root = prompt, None
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
-        rows = [0, *(i + 1 for i in verdict.path)]  # the pending token, then the accepted
-        if not self._pending:
-            self._pending_start = self._fed_upto
-        self._pending.append(self._states(verified, rows))
-        self._fed_upto += len(rows)
+    def accept(self, feed: StepFeed) -> None:
+        self._pending.append(feed)
+        self._next = feed.end
 
     def _can_draft(self, context: Sequence[int]) -> bool:
         """Whether the states for this context arrived (no begin: nothing to draft from)."""
-        return self._fed_upto == len(context) - 1
+        return self._next == len(context) - 1
 
-    def _states(self, out: TargetOutput, rows: list[int] | None) -> dict[int, Any]:
-        """Captured layer -> [rows, hidden] (the chosen rows of a verify forward)."""
-        return {layer: out.hidden_states[layer] if rows is None
-                else self._take(out.hidden_states[layer], rows)
-                for layer in self.capture_layers}
-
-    def _take_pending(self) -> tuple[dict[int, Any], int, int] | None:
-        """The pending states joined per layer, with their first and end positions; they
-        are then no longer pending."""
+    def _take_pending(self) -> tuple[dict[int, Any], list[int], int] | None:
+        """The pending states joined per layer, the token after each row and the first row's
+        position; they are then no longer pending."""
         if not self._pending:
             return None
-        layers = {i: self._join([p[i] for p in self._pending]) for i in self.capture_layers}
-        self._pending = []
-        return layers, self._pending_start, self._fed_upto
+        feeds, self._pending = self._pending, []
+        layers = {i: self._join([f.hidden_states[i] for f in feeds])
+                  for i in self.capture_layers}
+        return layers, [t for f in feeds for t in f.following], feeds[0].start
 
     def _commit(self, context: list[int], start: int, end: int, past: list[tuple[Any, Any]],
                 root: tuple[Any, Any]) -> None:
@@ -100,9 +86,6 @@ class HeadRows:
         self._rows = self._rows[:keep]
         if self._past is not None:
             self._past = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._past]
-
-    def _take(self, states: Any, rows: list[int]) -> Any:
-        raise NotImplementedError
 
     def _join(self, parts: list[Any]) -> Any:
         raise NotImplementedError

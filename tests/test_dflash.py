@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from app.core.engine import SpecEngine  # noqa: E402
+from app.core.feed import StepFeed  # noqa: E402
 from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
@@ -48,8 +49,8 @@ class Recording:
         self.blocks.append(list(draft.tokens))
         return draft
 
-    def accept(self, verdict, verified):
-        self.inner.accept(verdict, verified)
+    def accept(self, feed):
+        self.inner.accept(feed)
 
 
 def test_each_round_drafts_the_block_the_reference_drafted(target):
@@ -63,6 +64,17 @@ def test_each_round_drafts_the_block_the_reference_drafted(target):
     assert [len(s.tokens) for s in steps][:20] == GOLDEN["acceptance_lengths"][:20]
     assert drafter.blocks[:20] == GOLDEN["drafts"][:20]  # rounds with whole blocks
 
+
+
+def test_after_a_reused_prompt_prefix_the_cache_keeps_the_context_it_read_and_no_block(target):
+    drafter = build_drafter("dflash", target, backend=TorchBackend(), head=str(FIX / "drafter"))
+    prompt, reused = list(GOLDEN["prompt"]), 2
+    session = target.start()
+    session.forward(prompt[:reused])  # the prefix a previous reply left in the target's cache
+    out = session.forward(prompt[reused:], capture=drafter.capture_layers)
+    drafter.begin(prompt, StepFeed.prompt(prompt, out, 7, start=reused), SamplingParams(), None)
+    assert len(drafter.propose([*prompt, 7], 3).tokens) == 3
+    assert all(key.shape[1] == len(prompt) - reused for key, _ in drafter._cache)
 
 @pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_greedy_dflash_gives_exactly_the_oracles_tokens(target, k):

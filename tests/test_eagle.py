@@ -8,6 +8,7 @@ import pytest
 
 from app import drafters
 from app.core.engine import SpecEngine
+from app.core.feed import StepFeed
 from app.core.types import SamplingParams, SpecdeckError
 from backends.torch.backend import TorchBackend
 from tests.distributions import assert_follows, two_token_law
@@ -82,7 +83,8 @@ def test_a_chain_stops_where_the_heads_own_confidence_in_it_falls_below_the_cut(
     drafter._choose = lambda logits: (lambda c: chosen.append(c[2]) or c)(choose(logits))
     first = SpecEngine(deep_target).session.forward(PROMPT[:-1], n_logits=1,
                                                     capture=drafter.capture_layers)
-    drafter.begin(PROMPT[:-1], first, SamplingParams(), np.random.default_rng(0))
+    drafter.begin(PROMPT[:-1], StepFeed.prompt(PROMPT[:-1], first, PROMPT[-1]), SamplingParams(),
+                  np.random.default_rng(0))
     tokens = drafter.propose(PROMPT, 7).tokens
     reach = np.cumprod(chosen)
     assert len(tokens) == len(chosen)
@@ -121,7 +123,8 @@ def test_a_tree_keeps_its_node_budget_and_depth_k(deep_target, heads):
     drafter = build(deep_target, heads["midlayer"], "midlayer", tree=True)
     engine = SpecEngine(deep_target)
     first = engine.session.forward(PROMPT, n_logits=1, capture=drafter.capture_layers)
-    drafter.begin(PROMPT, first, SamplingParams(), np.random.default_rng(0))
+    drafter.begin(PROMPT, StepFeed.prompt(PROMPT, first, first.argmax[-1]), SamplingParams(),
+                  np.random.default_rng(0))
     draft = drafter.propose(PROMPT + [first.argmax[-1]], 4)
     assert draft.is_tree and len(draft.tokens) == drafter.max_nodes
     assert max(draft.depths()) <= 4
@@ -140,11 +143,13 @@ def test_the_heads_cache_after_accepted_steps_equals_reading_the_context_afresh(
     fresh = build(deep_target, heads["layers"], "layers")
     engine = SpecEngine(deep_target)
     first = engine.session.forward(context[:-1], n_logits=1, capture=fresh.capture_layers)
-    fresh.begin(context[:-1], first, SamplingParams(), np.random.default_rng(0))
+    fresh.begin(context[:-1], StepFeed.prompt(context[:-1], first, context[-1]),
+                SamplingParams(), np.random.default_rng(0))
     stepped_engine = SpecEngine(deep_target)
     again = stepped_engine.session.forward(context[:-1], n_logits=1,
                                            capture=stepped.capture_layers)
-    stepped.begin(context[:-1], again, SamplingParams(), np.random.default_rng(0))
+    stepped.begin(context[:-1], StepFeed.prompt(context[:-1], again, context[-1]),
+                  SamplingParams(), np.random.default_rng(0))
     assert stepped.propose(context, 4).tokens == fresh.propose(context, 4).tokens
 
 

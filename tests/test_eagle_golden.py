@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from app.core.feed import StepFeed
 from app.core.protocols import TargetOutput
 from app.core.types import SamplingParams
 from backends.torch.heads.eagle import load_eagle_head
@@ -79,7 +80,8 @@ def test_the_eagle2_tree_is_the_authors_tree(layout):
     states = {i - 1: chunk for i, chunk in zip(spec.hs_ids(N_LAYERS), chunks)}
     ids = [int(t) for t in golden["ids"]]
     first = TargetOutput(argmax=(ids[-1],), hidden_states=states)
-    drafter.begin(ids[:-1], first, SamplingParams(), np.random.default_rng(0))
+    drafter.begin(ids[:-1], StepFeed.prompt(ids[:-1], first, ids[-1]), SamplingParams(),
+                  np.random.default_rng(0))
     draft = drafter.propose(ids, 4)  # depth 4 = the reference's 3 expansions after the root
     assert draft.tokens == tuple(golden["tree_tokens"].tolist())
     assert draft.parents == tuple(golden["tree_parents"].tolist())

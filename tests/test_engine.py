@@ -75,7 +75,7 @@ class ScriptedDrafter:
     def __init__(self, sequence: Sequence[int], corrupt_every: int, vocab: int) -> None:
         self.sequence, self.every, self.vocab = list(sequence), corrupt_every, vocab
 
-    def begin(self, prompt_ids, first_output, params, rng) -> None:
+    def begin(self, prompt_ids, feed, params, rng) -> None:
         return None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -84,7 +84,7 @@ class ScriptedDrafter:
         return Draft(tokens=tuple((t + 1) % self.vocab if (start + i) % self.every == 0 else t
                                   for i, t in enumerate(tokens)))
 
-    def accept(self, n_accepted, verified) -> None:
+    def accept(self, feed) -> None:
         return None
 
 

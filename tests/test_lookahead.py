@@ -8,26 +8,24 @@ import numpy as np
 import pytest
 
 from app.core.engine import SpecEngine
-from app.core.protocols import TargetOutput
+from app.core.feed import StepFeed
 from app.core.sampling import warp
-from app.core.types import SamplingParams, Verdict
+from app.core.types import SamplingParams
 from app.drafters import build_drafter
 from app.drafters.lookahead import LookaheadDrafter, NgramPool
 from tests.distributions import assert_follows
 from tests.fakes import FakeModel
 
 
-def rows(*argmax: int) -> TargetOutput:
-    return TargetOutput(argmax=tuple(argmax))
+def rows(*argmax: int) -> StepFeed:
+    """A verify's feed as lookahead reads it: the argmax of every row."""
+    return StepFeed(tokens=(0,), start=0, rows=(0,), next_token=0, argmax=tuple(argmax))
 
 
 def started(**kwargs) -> LookaheadDrafter:
     drafter = LookaheadDrafter(**kwargs)
     drafter.begin([], None, SamplingParams(), np.random.default_rng(0))
     return drafter
-
-
-NOTHING = Verdict(path=(), next_token=0, is_bonus=False)
 
 
 def test_the_first_step_drafts_the_seeded_trunk_as_a_chain_after_the_pending_token():
@@ -41,7 +39,7 @@ def test_the_first_step_drafts_the_seeded_trunk_as_a_chain_after_the_pending_tok
 def test_warm_up_slides_the_trunk_and_adds_the_jacobi_iterate_as_the_next_level():
     drafter = started(level=3, window=3, guesses=2)
     drafter.propose([10, 11, 12, 13, 14], k=4)
-    drafter.accept(NOTHING, rows(20, 21, 22))  # argmax at the pending token, 10 and 11
+    drafter.accept(rows(20, 21, 22))  # argmax at the pending token, 10 and 11
     assert drafter.levels == [[11, 12], [21, 22, 13]]  # padded with context tokens in order
     draft = drafter.propose([10, 11, 12, 13, 14, 20], k=4)
     # level 1 hangs below the trunk: column 0 under the pending token, column j under trunk j
@@ -53,9 +51,9 @@ def test_warm_up_slides_the_trunk_and_adds_the_jacobi_iterate_as_the_next_level(
 def test_a_full_window_feeds_the_pool_column_by_column_and_slides_one_column():
     drafter = started(level=3, window=3, guesses=2)
     drafter.propose([10, 11, 12, 13, 14], k=4)
-    drafter.accept(NOTHING, rows(20, 21, 22))
+    drafter.accept(rows(20, 21, 22))
     drafter.propose([10, 11, 12, 13, 14, 20], k=4)
-    drafter.accept(NOTHING, rows(30, 31, 32, 33, 34, 35))  # deepest nodes: rows 3, 4, 5
+    drafter.accept(rows(30, 31, 32, 33, 34, 35))  # deepest nodes: rows 3, 4, 5
     assert drafter.pool.guesses(20) == [(21, 33)]  # key: the pending token (column 0)
     assert drafter.pool.guesses(11) == [(22, 34), (12, 13)]  # key: trunk token; most recent first
     assert drafter.pool.guesses(12) == [(13, 35), (13, 14)]
@@ -65,16 +63,16 @@ def test_a_full_window_feeds_the_pool_column_by_column_and_slides_one_column():
 def test_pool_guesses_lead_the_tree_and_share_nodes_with_the_window():
     drafter = started(level=3, window=3, guesses=2)
     drafter.propose([10, 11, 12, 13, 14], k=4)
-    drafter.accept(NOTHING, rows(20, 21, 22))
+    drafter.accept(rows(20, 21, 22))
     drafter.propose([10, 11, 12, 13, 14, 20], k=4)
-    drafter.accept(NOTHING, rows(30, 31, 32, 33, 34, 35))
+    drafter.accept(rows(30, 31, 32, 33, 34, 35))
     drafter.levels = [[22, 13], [31, 34, 35]]  # column 0's level 1 agrees with a guess
     draft = drafter.propose([10, 11, 12, 13, 14, 20, 31, 20], k=4)
     # guesses for 20, most recent first: (31, 20) from the output, (21, 33) from the window;
     # then the trunk 22 13; column 0's 31 is the guess's node 0; columns 1, 2 hang below 22, 13
     assert draft.tokens == (31, 20, 21, 33, 22, 13, 34, 35)
     assert draft.parents == (-1, 0, -1, 2, -1, 4, 4, 5)
-    drafter.accept(NOTHING, rows(*range(40, 49)))
+    drafter.accept(rows(*range(40, 49)))
     assert drafter.levels[-1] == [41, 47, 48]  # new[j]: the rows after nodes 0, 6 and 7
 
 
@@ -94,7 +92,7 @@ def test_no_node_is_deeper_than_k(k):
         draft = drafter.propose(context, k)
         assert max(draft.depths(), default=0) <= k
         argmax = [(t * 7 + step) % 10 for t in (context[-1], *draft.tokens)]
-        drafter.accept(NOTHING, rows(*argmax))
+        drafter.accept(rows(*argmax))
         context = [*context, argmax[0]]
 
 
@@ -102,7 +100,7 @@ def test_a_verified_output_that_is_not_its_tree_leaves_the_window_as_it_was():
     drafter = started(level=3, window=3, guesses=2)
     drafter.propose([10, 11, 12, 13, 14], k=4)
     before = [list(level) for level in drafter.levels]
-    drafter.accept(NOTHING, rows(20))  # a backend without trees verified only the first chain
+    drafter.accept(rows(20))  # a backend without trees verified only the first chain
     assert drafter.levels == before
 
 

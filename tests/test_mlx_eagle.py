@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from app import drafters  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
+from app.core.feed import StepFeed
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
@@ -246,7 +247,8 @@ def test_the_mlx_heads_cache_after_accepted_steps_equals_reading_the_context_afr
     chains = []
     for drafter in (stepped, build(target, heads["eagle1"], "eagle1")):
         first = target.start().forward(context[:-1], capture=drafter.capture_layers)
-        drafter.begin(context[:-1], first, SamplingParams(), np.random.default_rng(0))
+        drafter.begin(context[:-1], StepFeed.prompt(context[:-1], first, context[-1]),
+                      SamplingParams(), np.random.default_rng(0))
         chains.append(drafter.propose(context, 4).tokens)
     assert chains[0] == chains[1] and len(chains[0]) == 4
 
@@ -331,7 +333,7 @@ def test_sampled_mlx_head_chains_report_the_q_they_sample_from(small_target, tmp
     drafter = build(small_target, spread_head(tmp_path / layout, layout), layout)
     drafter.min_confidence = 0.0  # chains of 2 whatever the head's confidence
     first = small_target.start().forward(prompt, capture=drafter.capture_layers)
-    drafter.begin(prompt, first, params, np.random.default_rng(0))
+    drafter.begin(prompt, StepFeed.prompt(prompt, first, 5), params, np.random.default_rng(0))
     counts = np.zeros(SMALL_VOCAB)
     for _ in range(400):
         draft = drafter.propose(prompt + [5], 2)

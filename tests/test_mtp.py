@@ -25,6 +25,7 @@ from transformers import (  # noqa: E402
 
 from app.catalogue import planner  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
+from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
@@ -153,7 +154,7 @@ def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(targ
     target = targets["glm"]
     drafter = build_drafter("mtp", target, backend=TorchBackend())
     out = target.start().forward(PROMPT, n_logits=1, capture=drafter.capture_layers)
-    drafter.begin(PROMPT, out, SamplingParams(), None)
+    drafter.begin(PROMPT, StepFeed.prompt(PROMPT, out, 3), SamplingParams(), None)
     first = drafter.propose([*PROMPT, 3], 4)
     assert len(first.tokens) == 4 and first.parents is None
     assert drafter._cache.get_seq_length() == len(PROMPT)  # prompt pairs and the pending one

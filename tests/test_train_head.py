@@ -180,6 +180,7 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
     per depth that training reports is the acceptance a chain can reach."""
     from app import drafters
     from app.core.engine import SpecEngine
+    from app.core.feed import StepFeed
     from app.core.types import SamplingParams
     from backends.torch.backend import TorchBackend
     from backends.torch.heads.eagle import save_eagle3
@@ -196,8 +197,8 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
     prompt, depth = [0, 5, 9, 12, 5, 9, 3, 7, 30], 4
     first = SpecEngine(target).session.forward(prompt, n_logits=1,
                                                capture=drafter.capture_layers)
-    drafter.begin(prompt, first, SamplingParams(temperature=temperature, seed=0),
-                  np.random.default_rng(0))
+    drafter.begin(prompt, StepFeed.prompt(prompt, first, 17),
+                  SamplingParams(temperature=temperature, seed=0), np.random.default_rng(0))
     context = [*prompt, 17]
     draft = drafter.propose(context, depth)
     sequence = torch.tensor([[*context, *draft.tokens[:-1]]])

@@ -53,7 +53,7 @@ class ScriptedTreeDrafter:
             at = len(tokens) - width + siblings.index(token)
         return Draft(tokens=tuple(tokens), parents=tuple(parents))
 
-    def accept(self, verdict, verified) -> None:
+    def accept(self, feed) -> None:
         return None
 
 
@@ -145,7 +145,7 @@ class SampledTreeDrafter:
                 q[token] = 0.0
         return out
 
-    def accept(self, verdict, verified) -> None:
+    def accept(self, feed) -> None:
         return None
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from app.core.adaptive import KController
 from app.core.auto_k import AutoK
+from app.core.feed import StepFeed
 from app.core.protocols import Drafter, Model, NoDrafter, TargetOutput
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
@@ -260,7 +261,8 @@ class SpecEngine:
                 # the drafter reads the prompt after the first token is out: prefill work
                 # (a long prompt took a 0.5B drafter seconds here), timed as prefill
                 t0 = time.perf_counter()
-                drafter.begin(prompt, first_out, params, rng)
+                drafter.begin(prompt, StepFeed.prompt(prompt, first_out, first, reuse),
+                              params, rng)
                 spent = time.perf_counter() - t0
                 tally.prefill_s += spent
                 tally.decode_start += spent
@@ -311,9 +313,10 @@ class SpecEngine:
                                    capture=call.drafter.capture_layers)
         verdict = (verify_greedy(draft, out.argmax) if params.greedy else
                    verify_sampled(draft, warp(out.host_logits(), params), rng))
-        self.session.keep(n_cached, (0, *(i + 1 for i in verdict.path)))  # pending + accepted
+        feed = StepFeed.verify(context[-1], n_cached, draft, verdict, out)
+        self.session.keep(n_cached, feed.rows)  # pending + accepted
         t2 = time.perf_counter()
-        call.drafter.accept(verdict, out)
+        call.drafter.accept(feed)
         t3 = time.perf_counter()
         drafting = (t1 - t0) + (t3 - t2)
         tally.draft_s += drafting
@@ -321,10 +324,9 @@ class SpecEngine:
         depth = max(draft.depths(), default=0)
         tally.record(len(draft.tokens), depth, verdict.n_accepted, draft.source, drafting)
         m = verdict.n_accepted
-        proposed = [*(draft.tokens[i] for i in verdict.path), verdict.next_token]
         new: list[int] = []
         reason: StopReason | None = None
-        for token in proposed:
+        for token in feed.following:  # the accepted drafts, then the bonus or recovered
             new.append(token)
             reason = rules.admit(token, n_output + len(new))
             if reason is not None:

@@ -1,20 +1,23 @@
 """The contracts between the engine and an array library.
 
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
-from a drafter (Drafter); what a forward pass returns (TargetOutput); what a backend can do
-(Capabilities). Must not know: torch, mlx, transformers. Adapters in backends/ implement
-these protocols; the engine in app/core/engine.py consumes them.
+from a drafter (Drafter), which reads each forward through a StepFeed (app/core/feed.py);
+what a backend can do (Capabilities); TargetOutput (app/core/output.py) is re-exported here.
+Must not know: torch, mlx, transformers. Adapters in backends/ implement these protocols; the
+engine in app/core/engine.py consumes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from app.core.types import Draft, SamplingParams, Verdict
+from app.core.feed import StepFeed
+from app.core.output import TargetOutput
+from app.core.types import Draft, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -25,28 +28,6 @@ class Capabilities:
     hidden_states: bool = False  # can capture chosen layers' hidden states for heads
     tree_attention: bool = False  # Session.forward takes `parents` (tree drafts)
     reason: str = ""  # why a capability is missing, named in refusals
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    """Rows of one forward pass: row i scores the token after input i.
-
-    argmax: per-row argmax ids (all greedy needs to leave the device).
-    logits: host numpy [rows, vocab] float32, produced lazily by `host_logits`.
-    hidden_states: captured layer index -> backend array [input rows, hidden] (every input
-    row, not only the last n_logits), for heads; only the layers the forward asked for.
-    """
-
-    argmax: tuple[int, ...]
-    logits_fn: Any = field(repr=False, default=None)
-    hidden_states: Mapping[int, Any] = field(default_factory=dict)
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.argmax)
-
-    def host_logits(self) -> np.ndarray:
-        return self.logits_fn()
 
 
 @runtime_checkable
@@ -124,20 +105,21 @@ class Model(Protocol):
 class Drafter(Protocol):
     """Proposes draft tokens; told the outcome of each verification.
 
-    Lifecycle: begin(prompt, first_output, params, rng), then per step propose(context, k)
-    -> Draft (a chain, or a tree no deeper than k) and accept(verdict, verified_output). The
-    engine captures `capture_layers` on every target forward this drafter's steps run.
+    Lifecycle: begin(prompt, feed, params, rng) with the prefill's feed, then per step
+    propose(context, k) -> Draft (a chain, or a tree no deeper than k) and accept(feed) with
+    the verify's. The engine captures `capture_layers` on every target forward this drafter's
+    steps run; a feed carries their hidden states at the rows the engine kept.
     """
 
     name: str
     capture_layers: tuple[int, ...]  # target layers whose hidden states `accept` needs
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None: ...
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None: ...
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None: ...
+    def accept(self, feed: StepFeed) -> None: ...
 
 
 class NoDrafter:
@@ -146,14 +128,14 @@ class NoDrafter:
     name = "none"
     capture_layers: tuple[int, ...] = ()
 
-    def begin(self, prompt_ids: Sequence[int], first_output: object,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         return None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         return Draft()
 
-    def accept(self, verdict: Verdict, verified: object) -> None:
+    def accept(self, feed: StepFeed) -> None:
         return None
 
 

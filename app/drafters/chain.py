@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from app.core.protocols import Drafter, TargetOutput
-from app.core.types import Draft, SamplingParams, Verdict
+from app.core.protocols import Drafter, StepFeed
+from app.core.types import Draft, SamplingParams
 
 
 class ChainDrafter:
@@ -26,10 +26,10 @@ class ChainDrafter:
         self.name = name
         self.capture_layers = tuple(sorted({i for m in self.members for i in m.capture_layers}))
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         for member in self.members:
-            member.begin(prompt_ids, first_output, params, rng)
+            member.begin(prompt_ids, feed, params, rng)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         for member in self.members:
@@ -38,7 +38,7 @@ class ChainDrafter:
                 return draft if draft.source else replace(draft, source=member.name)
         return Draft()
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
+    def accept(self, feed: StepFeed) -> None:
         # every member hears every outcome: one that did not draft still tracks the text
         for member in self.members:
-            member.accept(verdict, verified)
+            member.accept(feed)

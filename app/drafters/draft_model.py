@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.core.protocols import Model, TargetOutput
+from app.core.protocols import Model, StepFeed, TargetOutput
 from app.core.sampling import sample, warp
-from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict, common_prefix_length
+from app.core.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from app.drafters.pairing import check_vocab_compatible
 
 CATCH_UP_ROWS = 2  # a feed longer than this is missed context, read before drafting
@@ -64,8 +64,8 @@ class DraftModelDrafter:
         self._params = SamplingParams()
         self._rng = np.random.default_rng()
 
-    def begin(self, prompt_ids: Sequence[int], first_output: TargetOutput | None,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed | None, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         self._params, self._rng = params, rng
         if 0 < self.vocab_limit < self._vocab // 2:
             keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
@@ -98,7 +98,7 @@ class DraftModelDrafter:
         if feed:
             self._session.forward(feed, n_logits=1)
 
-    def accept(self, verdict: Verdict, verified: TargetOutput) -> None:
+    def accept(self, feed: StepFeed) -> None:
         # nothing to do now: the next propose aligns the cache with the committed context
         return None
 

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.core.types import Draft, SamplingParams, Verdict
+from app.core.protocols import StepFeed
+from app.core.types import Draft, SamplingParams
 
 
 class _Trie:
@@ -96,8 +97,8 @@ class LookaheadDrafter:
         self._rows = 0
         self._root = 0
 
-    def begin(self, prompt_ids: Sequence[int], first_output: object,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         self.pool = NgramPool(self.n_guesses)
         self.levels, self._shape, self._indexed, self._pad_at = [], (0, 0), 0, 0
         self._reads = None
@@ -126,8 +127,8 @@ class LookaheadDrafter:
         self._reads, self._rows = deepest, len(trie.tokens) + 1
         return trie.draft(self.name)
 
-    def accept(self, verdict: Verdict, verified: object) -> None:
-        argmax = getattr(verified, "argmax", ())
+    def accept(self, feed: StepFeed) -> None:
+        argmax = feed.argmax  # every row: the window reads rows the verify dropped
         if self._reads is None or len(argmax) != self._rows:
             return  # not the tree this drafter proposed (a chain-only backend cut it)
         new = [int(argmax[node + 1]) for node in self._reads]

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from app.core.protocols import NoDrafter  # noqa: F401 - plain decoding, re-exported
-from app.core.types import Draft, SamplingParams, Verdict
+from app.core.protocols import NoDrafter, StepFeed  # noqa: F401 - NoDrafter re-exported
+from app.core.types import Draft, SamplingParams
 
 
 def propose_lookup(context: Sequence[int], k: int, min_n: int = 1,
@@ -95,8 +95,8 @@ class NgramDrafter:
         self.full_only, self.tree, self.max_nodes = full_only, tree, max_nodes
         self.name = name or ("ngram-tree" if tree else "ngram")
 
-    def begin(self, prompt_ids: Sequence[int], first_output: object,
-              params: SamplingParams, rng: np.random.Generator) -> None:
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
+              rng: np.random.Generator) -> None:
         return None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -108,5 +108,5 @@ class NgramDrafter:
             return Draft()
         return Draft(tokens=tokens, source=self.name)
 
-    def accept(self, verdict: Verdict, verified: object) -> None:
+    def accept(self, feed: StepFeed) -> None:
         return None

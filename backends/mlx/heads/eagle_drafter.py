@@ -67,9 +67,6 @@ class MlxEagleDrafter(HeadRows):
 
     # ------------------------------------------------------------------ the head's cache
 
-    def _take(self, states: mx.array, rows: list[int]) -> mx.array:
-        return mx.take(states, mx.array(rows), axis=0)
-
     def _join(self, parts: list[mx.array]) -> mx.array:
         return mx.concatenate(parts)
 
@@ -78,12 +75,13 @@ class MlxEagleDrafter(HeadRows):
         pending = self._take_pending()
         if pending is None:
             return
-        layers, start, end = pending
+        layers, following, start = pending
+        end = start + len(following)
         features = [layers[i - 1] for i in self._hs]
         if self._final_norm is not None:
             features = [self._final_norm(f) for f in features]
         hidden = self.head.project(features)[None]
-        tokens = mx.array([context[start + 1:end + 1]])
+        tokens = mx.array([following])
         h, past = self.head(self._embed(tokens), hidden, start, self._past)
         self._commit(context, start, end, past,
                      (self.head.logits(h[0, -1]), self.head.feedback(h[0, -1])))
@@ -93,7 +91,7 @@ class MlxEagleDrafter(HeadRows):
 
     def _draft_chain(self, k: int) -> Draft:
         logits, feedback = self._root
-        position = self._fed_upto  # the pending token's position: the first draft row's
+        position = self._next  # the pending token's position: the first draft row's
         past = self._past
         chosen: list[mx.array] = []
         probs: list[np.ndarray] = []

@@ -32,7 +32,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict
+from app.core.protocols import StepFeed
+from app.core.types import Draft, SamplingParams, SpecdeckError
 
 
 def default_layer_ids(n_target: int, n_draft: int) -> list[int]:
@@ -128,46 +129,38 @@ class DFlashDrafter:
         self.embed = target.hf.get_input_embeddings()
         self.lm_head = target.hf.get_output_embeddings()
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._cached = 0  # context positions the cache holds
-        self._pending: list[torch.Tensor] = []  # features of committed rows not yet cached
+        self._pending: list[StepFeed] = []  # feeds whose rows the cache does not hold yet
 
-    def begin(self, prompt_ids: Sequence[int], first_output: Any, params: SamplingParams,
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: Any) -> None:
+        # a reused prompt prefix is not re-read: the context starts at the feed's first row
         self._cache, self._pending = [], []
-        rows = self._features(first_output, None)
-        # a reused prompt prefix is not re-read: the context starts after it
-        self._cached = len(prompt_ids) - (0 if rows is None else rows.shape[0])
-        if rows is not None:
-            self._pending.append(rows)
+        self.accept(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         k = min(k, self.block_size - 1)
         if k < 1 or not self._pending:
             return Draft()
-        features = torch.cat(self._pending)
+        start = self._pending[0].start
+        features = torch.cat([self._features(feed) for feed in self._pending])
         ids = torch.tensor([int(context[-1]), *[self.mask_token_id] * k],
                            device=self.embed.weight.device)
         with torch.inference_mode():
             block = self.embed(ids) * self.embed_scale
-            out, kv = self.model(features.to(block.dtype), block, self._cached, self._cache)
+            out, kv = self.model(features.to(block.dtype), block, start, self._cache)
             tokens = self.lm_head(out[1:]).argmax(-1).tolist()
-        self._cached += len(features)
-        self._cache = [(key[:, :self._cached], value[:, :self._cached]) for key, value in kv]
+        block_rows = len(ids)  # the cache keeps the context's keys, never the block's
+        self._cache = [(key[:, :-block_rows], value[:, :-block_rows]) for key, value in kv]
         self._pending = []
         return Draft(tokens=tuple(int(t) for t in tokens), source=self.name)
 
-    def accept(self, verdict: Verdict, verified: Any) -> None:
+    def accept(self, feed: StepFeed) -> None:
         # the pending token's row and the accepted drafts' rows join the context
-        rows = self._features(verified, [0, *(i + 1 for i in verdict.path)])
-        if rows is not None:
-            self._pending.append(rows)
+        if all(i in feed.captured for i in self.capture_layers):
+            self._pending.append(feed)
 
-    def _features(self, output: Any, rows: list[int] | None) -> torch.Tensor | None:
-        states = output.hidden_states
-        if any(i not in states for i in self.capture_layers):
-            return None
-        parts = [states[i] if rows is None else states[i][rows] for i in self.capture_layers]
-        return torch.cat(parts, dim=-1)
+    def _features(self, feed: StepFeed) -> torch.Tensor:
+        return torch.cat([feed.hidden_states[i] for i in self.capture_layers], dim=-1)
 
 
 # ---- loading -------------------------------------------------------------------------------

@@ -82,9 +82,6 @@ class EagleDrafter(HeadRows):
 
     # ------------------------------------------------------------------ the head's cache
 
-    def _take(self, states: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return states.index_select(0, torch.tensor(rows, device=self._device))
-
     def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts)
 
@@ -93,12 +90,13 @@ class EagleDrafter(HeadRows):
         pending = self._take_pending()
         if pending is None:
             return
-        layers, start, end = pending
+        layers, following, start = pending
+        end = start + len(following)
         features = [layers[i - 1] for i in self._hs]
         if self._final_norm is not None:
             features = [self._final_norm(f) for f in features]  # EAGLE-1 reads hs[N]
         hidden = self.head.project(features)[None]
-        tokens = torch.tensor([context[start + 1:end + 1]], device=self._device)
+        tokens = torch.tensor([following], device=self._device)
         positions = torch.arange(start, end, device=self._device)[None]
         h, past = self.head(self._embed(tokens), hidden, positions, self._past)
         self._commit(context, start, end, past,
@@ -108,7 +106,7 @@ class EagleDrafter(HeadRows):
 
     def _draft_chain(self, k: int) -> Draft:
         logits, feedback = self._root
-        position = self._fed_upto  # the pending token's position: the first draft row's
+        position = self._next  # the pending token's position: the first draft row's
         past = self._past
         tokens: list[int] = []
         probs: list[np.ndarray] = []
@@ -160,7 +158,7 @@ class EagleDrafter(HeadRows):
             nodes = frontier
             ids = torch.tensor([[candidates[i].token for i in nodes]], device=self._device)
             hidden = torch.stack([inputs[i] for i in nodes])[None]
-            positions = torch.full((1, len(nodes)), self._fed_upto + depth - 2,
+            positions = torch.full((1, len(nodes)), self._next + depth - 2,
                                    device=self._device)
             mask = self._tree_mask(nodes, candidates, fed_rows, n_base)
             for node in nodes:

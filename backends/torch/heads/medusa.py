@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict
+from app.core.protocols import StepFeed
+from app.core.types import Draft, SamplingParams, SpecdeckError
 
 TOP_RANKS = 4  # candidates per head the default tree draws from
 TREE_NODES = 16  # default tree size: verify rows stay within the exact blocks
@@ -87,9 +88,9 @@ class MedusaDrafter:
             raise SpecdeckError(f"a Medusa tree path is deeper than the {heads.n_heads} heads")
         self._top: list[list[int]] | None = None  # per head, its tokens by rank
 
-    def begin(self, prompt_ids: Sequence[int], first_output: Any, params: SamplingParams,
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: Any) -> None:
-        self._read(first_output, row=-1)
+        self._read(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if self._top is None:
@@ -104,17 +105,18 @@ class MedusaDrafter:
             parents.append(index[path[:-1]] if len(path) > 1 else -1)
         return Draft(tokens=tuple(tokens), parents=tuple(parents), source=self.name)
 
-    def accept(self, verdict: Verdict, verified: Any) -> None:
-        self._read(verified, row=verdict.path[-1] + 1 if verdict.path else 0)
+    def accept(self, feed: StepFeed) -> None:
+        self._read(feed)
 
-    def _read(self, output: Any, row: int) -> None:
-        hidden = output.hidden_states.get(self.capture_layers[0])
+    def _read(self, feed: StepFeed) -> None:
+        """The next tree's candidates, from the state at the feed's last row."""
+        hidden = feed.captured.get(self.capture_layers[0])
         if hidden is None:
             self._top = None
             return
         ranks = max((p[-1] for p in self.choices), default=0) + 1
         with torch.inference_mode():
-            state = self.norm(hidden[row][None].to(self.heads.heads[0].weight.dtype))
+            state = self.norm(hidden[feed.rows[-1]][None].to(self.heads.heads[0].weight.dtype))
             logits = self.heads(state)[:, 0]  # [n_heads, vocab]
             self._top = logits.topk(ranks, dim=-1).indices.tolist()
 

@@ -10,10 +10,11 @@ Must not know: surfaces, the engine's loop.
 
 The MTP layer reads the target's final hidden state after its final norm at position t with
 the embedding of token t + 1 and predicts token t + 2. Its attention needs its own cache over
-every committed position: after each verify it reads the pending token's and the accepted
-tokens' rows. For k > 1 it runs again on its own output after the output norm (recycled as
-vLLM and SGLang do) with the token it just drafted, cycling its layers. Drafts are argmax
-(q one-hot), so sampled verification stays exact. The embedding and output layer are the
+every committed position: after each verify it reads the feed's rows (the pending token's
+and the accepted tokens'), each paired with the token after it. For k > 1 it runs again on
+its own output after the output norm (recycled as vLLM and SGLang do) with the token it just
+drafted, cycling its layers. Drafts are argmax (q one-hot), so sampled verification stays
+exact. The embedding and output layer are the
 target's unless the checkpoint carries its own `shared_head.head`.
 """
 
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from app.core.types import Draft, SamplingParams, SpecdeckError, Verdict
+from app.core.protocols import StepFeed
+from app.core.types import Draft, SamplingParams, SpecdeckError
 
 _FUSE = {"deepseek": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
          "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")}
@@ -99,76 +101,51 @@ class MtpDrafter:
         self.capture_layers = (target.n_layers - 1,)
         self._cache: DynamicCache | None = None
         self._last: torch.Tensor | None = None  # out-norm state at the last committed pair
-        self._position = 0  # the absolute position of the next pair's target state
-        self._draft: tuple[int, ...] = ()
-        self._held: torch.Tensor | None = None  # the last prompt row, until its token is known
 
-    def begin(self, prompt_ids: Sequence[int], first_output: Any, params: SamplingParams,
+    def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: Any) -> None:
-        self._cache, self._last, self._draft, self._held = DynamicCache(), None, (), None
-        hidden = first_output.hidden_states.get(self.capture_layers[0])
-        if hidden is None:
-            return
         # a prompt prefix the target reused from its cache is not re-read: the MTP cache
-        # starts after it (fewer keys to attend, still lossless)
-        self._position = len(prompt_ids) - hidden.shape[0]
-        if hidden.shape[0] > 1:
-            self._feed(hidden[:-1], prompt_ids[self._position + 1:])
-        # the last prompt row pairs with the first output token, which propose's context ends
-        # with (sampled, it need not be this row's argmax)
-        self._held = hidden[-1:]
-
-    def _catch_up(self, pending: int) -> None:
-        if self._held is not None:
-            self._feed(self._held, [pending])
-            self._held = None
+        # starts at the feed's first row (fewer keys to attend, still lossless)
+        self._cache, self._last = DynamicCache(), None
+        self.accept(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        self._draft = ()
-        self._catch_up(int(context[-1]))
         if self._last is None or k < 1:
             return Draft()
         tokens: list[int] = []
-        state, base, length = self._last, self._position, self._cache.get_seq_length()
+        state, length = self._last, self._cache.get_seq_length()
+        position = len(context)  # the pending token's state paired with the first draft
         with torch.inference_mode():
             token = self._argmax(state)
             tokens.append(token)
             for _ in range(1, k):  # recycle the out-norm state with the token just drafted
-                state = self._run(state[None], [token])[-1]
+                state = self._run(state[None], [token], position)[-1]
+                position += 1
                 token = self._argmax(state)
                 tokens.append(token)
         extra = self._cache.get_seq_length() - length
         for layer in self._cache.layers:  # the cache keeps committed pairs only
             if extra > 0:
                 layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
-        self._position = base
-        self._draft = tuple(tokens)
-        return Draft(tokens=self._draft, source=self.name)
+        return Draft(tokens=tuple(tokens), source=self.name)
 
-    def accept(self, verdict: Verdict, verified: Any) -> None:
-        hidden = verified.hidden_states.get(self.capture_layers[0])
-        drafted, self._draft = self._draft, ()
-        if self._held is not None:  # no propose ran (k was 0): that pair's token is unknown
-            self._held, self._position = None, self._position + 1
+    def accept(self, feed: StepFeed) -> None:
+        hidden = feed.hidden_states.get(self.capture_layers[0])
         if hidden is None or self._cache is None:
             self._last = None
             return
-        # rows: the pending token and the accepted drafts; each pairs with the token after it
-        rows = [0, *(i + 1 for i in verdict.path)]
-        self._feed(hidden[rows], [*drafted[:verdict.n_accepted], verdict.next_token])
-
-    def _feed(self, hidden: torch.Tensor, next_tokens: Sequence[int]) -> None:
-        """Extend the cache with (target state t, token t + 1) pairs; the output at the last
-        pair drafts the next token."""
+        # each row pairs with the token after it (the next token for the last row, which a
+        # sampled first token need not be the argmax of); the last pair drafts the next token
         with torch.inference_mode():
             states = self.norm(hidden.to(self.lm_head.weight.dtype))
-            self._last = self._run(states, next_tokens)[-1]
+            self._last = self._run(states, feed.following, feed.start + 1)[-1]
 
-    def _run(self, states: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
-        """The MTP layer over pairs at the next positions: state t with token t + 1 sits at
+    def _run(self, states: torch.Tensor, tokens: Sequence[int], first_position: int
+             ) -> torch.Tensor:
+        """The MTP layer over pairs from first_position on: state t with token t + 1 sits at
         position t + 1."""
         ids = torch.tensor(tokens, device=states.device)
-        positions = torch.arange(self._position + 1, self._position + 1 + len(tokens),
+        positions = torch.arange(first_position, first_position + len(tokens),
                                  device=states.device)[None]
         embeds = self.embed(ids)
         past = self._cache.get_seq_length()
@@ -177,7 +154,6 @@ class MtpDrafter:
         out = self.layer(states, embeds, attention_mask=mask, position_ids=positions,
                          cache=self._cache, use_cache=True,
                          position_embeddings=self.rotary(embeds[None], positions))
-        self._position += len(tokens)
         return out
 
     def _argmax(self, state: torch.Tensor) -> int:

@@ -856,6 +856,7 @@ def test_fuzz_race_numbers_never_wedge_the_model(knobs):
     assert "Identical outputs" in run_race(bench)[-1][4]
 
 
+@pytest.mark.heavy  # 60 whole bench runs: 11 s of the fast tier
 @settings(FUZZ, max_examples=60)
 @given(st.dictionaries(st.sampled_from(["limit", "max_new_tokens", "k"]), ODD_VALUES,
                        min_size=1, max_size=3))

@@ -230,7 +230,7 @@ def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
     model = DFlashModel(config, len(layer_ids))
     if version2:
         add_dflash2(model, config.vocab_size, config.hidden_size,
-                    _dflash2_shape(folder, config, value))
+                    _dflash2_shape(folder, target, config, value))
     _load_weights(folder, model, version2)
     model = model.to(device=target.device, dtype=target.hf.dtype).eval()
     return DFlashDrafter(target, model, layer_ids, int(value("block_size", 16)), int(mask),
@@ -260,7 +260,8 @@ def _our_name(key: str) -> str:
     return key.replace(".self_attn.", ".")
 
 
-def _dflash2_shape(folder: Path, config: Qwen3Config, value: Any) -> DFlash2Config:
+def _dflash2_shape(folder: Path, target: Any, config: Qwen3Config, value: Any
+                   ) -> DFlash2Config:
     try:
         shape = DFlash2Config.read(value)
     except KeyError as error:
@@ -269,6 +270,11 @@ def _dflash2_shape(folder: Path, config: Qwen3Config, value: Any) -> DFlash2Conf
     if shape.group_size < 1 or config.hidden_size % shape.group_size:
         raise SpecdeckError(f"{folder}: conv_group_size {shape.group_size} does not divide "
                             f"the hidden size {config.hidden_size}")
+    rows = int(target.hf.get_output_embeddings().weight.shape[0])
+    if config.vocab_size < rows:  # the codebooks are indexed by the head's candidates
+        raise SpecdeckError(f"{folder}: the selector's codebooks cover {config.vocab_size} "
+                            f"tokens, the target's output layer {rows}: it was trained for "
+                            "another target")
     return shape
 
 

@@ -1,7 +1,8 @@
 """DFlash 2 block drafters: a tiny random DFlash 2 drafter (convolutions around each sublayer,
 a candidate selector; codebooks stored without `.weight`) proposes, round by round, the blocks
 the reference implementation (PyPI dflash 0.1.0, golden values made by
-tests/fixtures/dflash/make_golden2.py) proposed; speculative output equals plain decoding
+tests/fixtures/dflash/make_golden2.py) proposed, and its selector's q is the reference's;
+speculative output equals plain decoding
 (greedy at k 1, 2, 4, 7; sampled output keeps the target's law through the selector's q);
 incomplete DFlash 2 folders are refused naming what they lack."""
 
@@ -18,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from app.core.engine import SpecEngine  # noqa: E402
+from app.core.feed import StepFeed  # noqa: E402
 from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
@@ -93,6 +95,18 @@ def test_sampled_drafts_come_with_the_selectors_q_over_its_candidates(target):
     assert draft.probs.shape == (3, target.vocab_size)
     assert np.allclose(draft.probs.sum(-1), 1.0)
     assert all((row > 0).sum() <= 8 and row[t] > 0 for row, t in zip(draft.probs, draft.tokens))
+
+
+def test_the_first_slots_q_is_the_references(target):
+    golden = GOLDEN["sampled_first_slot"]
+    drafter = load_dflash_drafter(target, str(DRAFTER))
+    prompt, anchor = GOLDEN["prompt"], golden["anchor"]
+    out = target.start().forward(prompt, capture=drafter.capture_layers)
+    drafter.begin(prompt, StepFeed.prompt(prompt, out, anchor), SamplingParams(temperature=1.0),
+                  np.random.default_rng(0))
+    q = drafter.propose([*prompt, anchor], 3).probs[0]
+    assert set(np.flatnonzero(q)) <= set(golden["candidates"])
+    assert np.allclose(q[golden["candidates"]], golden["q"], rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.heavy  # 500 sampled generations

@@ -13,6 +13,9 @@ and values (the same k/v projections as the block); the block [pending, mask, ..
 k + 1 rows attends to all of them and to itself without a causal mask, and its rows 1..k,
 through the target's output layer, are the k drafts (argmax: q one-hot, lossless when sampled).
 The cache then keeps the context keys only. k is capped by the block size minus one.
+
+A DFlash 2 folder (`DFlash2DraftModel`) adds convolutions around each sublayer and a candidate
+selector that picks the drafts (dflash2.py); the layers, the cache and the block are the same.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from transformers import Qwen3Config
@@ -34,6 +38,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from app.core.protocols import StepFeed
 from app.core.types import Draft, SamplingParams, SpecdeckError
+from backends.torch.heads.dflash2 import (
+    CandidateSelector,
+    DFlash2Config,
+    GroupedCausalConv,
+    add_dflash2,
+    dflash2_names,
+)
 
 
 def default_layer_ids(n_target: int, n_draft: int) -> list[int]:
@@ -62,6 +73,8 @@ class DFlashLayer(torch.nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.attention_conv: GroupedCausalConv | None = None  # DFlash 2 sets both
+        self.mlp_conv: GroupedCausalConv | None = None
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None
@@ -69,7 +82,7 @@ class DFlashLayer(torch.nn.Module):
         """x [B, H] block rows, ctx [C, H] new context rows; cos/sin over C + B positions.
         Returns the block's output and the keys/values of past + context + block."""
         rows = x.shape[0]
-        h = self.input_layernorm(x)
+        h, kernel = _before(self.attention_conv, self.input_layernorm(x))
         q = self.q_norm(self.q_proj(h).view(rows, self.heads, self.head_dim)).transpose(0, 1)
         both = torch.cat([ctx, h])
         k = self.k_norm(self.k_proj(both).view(len(both), self.kv_heads, self.head_dim))
@@ -83,8 +96,20 @@ class DFlashLayer(torch.nn.Module):
         attn = F.scaled_dot_product_attention(  # no mask: the block sees everything
             q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None],
             scale=self.head_dim ** -0.5)[0]
-        x = x + self.o_proj(attn.transpose(0, 1).reshape(rows, -1))
-        return x + self.mlp(self.post_attention_layernorm(x)), (k, v)
+        x = x + _after(self.attention_conv, self.o_proj(attn.transpose(0, 1).reshape(rows, -1)),
+                       kernel)
+        h, kernel = _before(self.mlp_conv, self.post_attention_layernorm(x))
+        return x + _after(self.mlp_conv, self.mlp(h), kernel), (k, v)
+
+
+def _before(conv: GroupedCausalConv | None, h: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (h, None) if conv is None else conv.prepare(h)
+
+
+def _after(conv: GroupedCausalConv | None, out: torch.Tensor,
+           kernel: torch.Tensor | None) -> torch.Tensor:
+    return out if conv is None else conv.finish(out, kernel)
 
 
 class DFlashModel(torch.nn.Module):
@@ -98,6 +123,7 @@ class DFlashModel(torch.nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(config)
+        self.candidate_selector: CandidateSelector | None = None  # DFlash 2 sets it
 
     def forward(self, features: torch.Tensor, block: torch.Tensor, first_position: int,
                 cache: list[tuple[torch.Tensor, torch.Tensor]]
@@ -130,11 +156,13 @@ class DFlashDrafter:
         self.lm_head = target.hf.get_output_embeddings()
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending: list[StepFeed] = []  # feeds whose rows the cache does not hold yet
+        self._params, self._rng = SamplingParams(), np.random.default_rng()
 
     def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: Any) -> None:
         # a reused prompt prefix is not re-read: the context starts at the feed's first row
         self._cache, self._pending = [], []
+        self._params, self._rng = params, rng if rng is not None else np.random.default_rng()
         self.accept(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -148,16 +176,25 @@ class DFlashDrafter:
         with torch.inference_mode():
             block = self.embed(ids) * self.embed_scale
             out, kv = self.model(features.to(block.dtype), block, start, self._cache)
-            tokens = self.lm_head(out[1:]).argmax(-1).tolist()
+            tokens, probs = self._choose(out[1:], int(context[-1]))
         block_rows = len(ids)  # the cache keeps the context's keys, never the block's
         self._cache = [(key[:, :-block_rows], value[:, :-block_rows]) for key, value in kv]
         self._pending = []
-        return Draft(tokens=tuple(int(t) for t in tokens), source=self.name)
+        return Draft(tokens=tokens, probs=probs, source=self.name)
 
     def accept(self, feed: StepFeed) -> None:
         # the pending token's row and the accepted drafts' rows join the context
         if all(i in feed.captured for i in self.capture_layers):
             self._pending.append(feed)
+
+    def _choose(self, hidden: torch.Tensor, anchor: int
+                ) -> tuple[tuple[int, ...], np.ndarray | None]:
+        """The drafts of the slots' hidden rows: DFlash 1 takes each argmax (q one-hot);
+        DFlash 2's selector walks the candidates from the anchor."""
+        selector = self.model.candidate_selector
+        if selector is None:
+            return tuple(int(t) for t in self.lm_head(hidden).argmax(-1).tolist()), None
+        return selector.walk(hidden, self.lm_head(hidden), anchor, self._params, self._rng)
 
     def _features(self, feed: StepFeed) -> torch.Tensor:
         return torch.cat([feed.hidden_states[i] for i in self.capture_layers], dim=-1)
@@ -167,18 +204,14 @@ class DFlashDrafter:
 
 
 def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
-    """A z-lab DFlash drafter folder, checked against the target."""
-    from safetensors.torch import load_file
-
+    """A z-lab DFlash (1 or 2) drafter folder, checked against the target."""
     folder = Path(path).expanduser()
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise SpecdeckError(f"cannot read {folder / 'config.json'}: {error}. Give a DFlash "
                             "drafter folder (config.json and model.safetensors)") from error
-    if "DFlash2DraftModel" in (raw.get("architectures") or []):
-        raise SpecdeckError(f"{folder} is a DFlash 2 drafter (convolutions and a path "
-                            "selector), which specdeck does not run yet: use a DFlash 1 drafter")
+    version2 = "DFlash2DraftModel" in (raw.get("architectures") or [])
     extra = raw.get("dflash_config") or {}
 
     def value(key: str, default: Any = None) -> Any:
@@ -195,24 +228,54 @@ def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
     mask = value("mask_token_id")
     _check(folder, target, config, layer_ids, mask)
     model = DFlashModel(config, len(layer_ids))
-    files = sorted(folder.glob("*.safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    renamed = {_our_name(k): v for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(renamed, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary.")]
-    if missing or unexpected or not files:
-        raise SpecdeckError(f"{folder} is not a DFlash drafter in the z-lab layout (missing "
-                            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    if version2:
+        add_dflash2(model, config.vocab_size, config.hidden_size,
+                    _dflash2_shape(folder, target, config, value))
+    _load_weights(folder, model, version2)
     model = model.to(device=target.device, dtype=target.hf.dtype).eval()
     return DFlashDrafter(target, model, layer_ids, int(value("block_size", 16)), int(mask),
                          float(value("input_embedding_scale", 1.0)))
 
 
+def _load_weights(folder: Path, model: DFlashModel, version2: bool) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    renamed = dflash2_names({_our_name(k): v for k, v in state.items()})
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if version2 and missing and files:
+        raise SpecdeckError(f"{folder} is a DFlash 2 drafter without the tensors "
+                            f"{sorted(missing)[:6]}: its checkpoint is incomplete")
+    if missing or unexpected or not files:
+        raise SpecdeckError(f"{folder} is not a DFlash drafter in the z-lab layout (missing "
+                            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+
+
 def _our_name(key: str) -> str:
     """z-lab names -> this module's: attention projections sit beside the MLP here."""
     return key.replace(".self_attn.", ".")
+
+
+def _dflash2_shape(folder: Path, target: Any, config: Qwen3Config, value: Any
+                   ) -> DFlash2Config:
+    try:
+        shape = DFlash2Config.read(value)
+    except KeyError as error:
+        raise SpecdeckError(f"{folder} is a DFlash 2 drafter whose dflash_config lacks "
+                            f"{error.args[0]}") from error
+    if shape.group_size < 1 or config.hidden_size % shape.group_size:
+        raise SpecdeckError(f"{folder}: conv_group_size {shape.group_size} does not divide "
+                            f"the hidden size {config.hidden_size}")
+    rows = int(target.hf.get_output_embeddings().weight.shape[0])
+    if config.vocab_size < rows:  # the codebooks are indexed by the head's candidates
+        raise SpecdeckError(f"{folder}: the selector's codebooks cover {config.vocab_size} "
+                            f"tokens, the target's output layer {rows}: it was trained for "
+                            "another target")
+    return shape
 
 
 def _check(folder: Path, target: Any, config: Qwen3Config, layer_ids: list[int],

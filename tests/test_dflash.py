@@ -116,13 +116,14 @@ def test_the_default_target_layers_follow_the_reference_rule():
     assert default_layer_ids(4, 1) == [2]
 
 
-def test_a_dflash_2_drafter_is_refused_by_name(target, tmp_path):
+def test_a_folder_labelled_dflash_2_without_its_config_keys_is_refused_naming_them(target,
+                                                                                  tmp_path):
     folder = tmp_path / "d2"
     shutil.copytree(FIX / "drafter", folder)
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["DFlash2DraftModel"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SpecdeckError, match="DFlash 2 drafter"):
+    with pytest.raises(SpecdeckError, match="DFlash 2 drafter whose dflash_config lacks"):
         load_dflash_drafter(target, str(folder))
 
 

@@ -129,9 +129,10 @@ def check(kind: str, runs: Runs | None = None, *, capabilities: Capabilities | N
     # --tree (tree=True) asks the kinds that draft trees when asked; the others ignore it
     tree = (tree or suffixed) and record.trees == ASKED
     capabilities = capabilities or (runs.capabilities if runs else None)
+    # what the backend lacks first: no draft model or head makes it run there
     return (_rewinds(kind, record, capabilities, target)
-            or _inputs(kind, record, has_draft, has_head, head_kind, mtp_layers, target)
-            or _backend(kind, record, runs, capabilities, tree))
+            or _backend(kind, record, runs, capabilities, tree)
+            or _inputs(kind, record, has_draft, has_head, head_kind, mtp_layers, target))
 
 
 def unknown(kind: str) -> Refusal:
@@ -163,12 +164,6 @@ def require_built(kind: str, runs: Runs, **at_hand: Any) -> None:
     if kind not in runs.builds:
         raise SpecdeckError(f"the {runs.backend} backend builds {', '.join(sorted(runs.builds))}"
                             f", not {kind!r}: app.drafters.build_drafter builds every kind")
-
-
-def runnable(runs: Runs, capabilities: Capabilities | None = None) -> frozenset[str]:
-    """The kinds that run in full here: `check` passes them and none shrinks to a chain."""
-    return frozenset(name for name in NAMES if check(name, runs, capabilities=capabilities)
-                     is None and not chains_only(name, runs, capabilities))
 
 
 def _rewinds(kind: str, record: Kind, capabilities: Capabilities | None,

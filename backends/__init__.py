@@ -1,8 +1,9 @@
 """Backend selection: detect_backend() picks one for this machine; load_backend(name) imports it.
 
 Knows: which adapters exist, what hardware each needs, and what each runs (`runs_of`: its
-package's RUNS, read without its array library). Imports are lazy so that the app
-starts without torch or mlx installed and names the missing extra instead of crashing.
+package's RUNS, which imports no array library). The adapters themselves are imported lazily
+so that the app starts without torch or mlx installed and names the missing extra instead of
+crashing.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from backends import load_backend
+from app.drafters.kinds import require
+from backends import load_backend, runs_of
 from backends.extras import files_of
 
 
@@ -35,11 +36,10 @@ def load_engine(args: Any) -> Loaded:
     drafter_kind = args.drafter
     pair = _installed_pair(args.target, files_of(args.backend))
     draft_path = args.draft or (str(pair[1]) if pair and pair[1] else None)
-    if drafter_kind in drafters.NEEDS_DRAFT_MODEL and not draft_path:
-        raise SpecdeckError(f"--drafter {drafter_kind} needs --draft PATH (a small model of the "
-                            "same family)")
-    if drafter_kind in drafters.HEADS and not draft_path:
-        raise SpecdeckError(f"--drafter {drafter_kind} needs --draft HEAD_DIR (the head's folder)")
+    tree = bool(getattr(args, "tree", False))
+    if drafter_kind != "auto":  # before any loading: what it needs, what the backend runs
+        require(drafter_kind, runs_of(args.backend), tree=tree, has_draft=bool(draft_path),
+                has_head=bool(draft_path))
     backend = load_backend(args.backend)
     draft_path = head_folder(draft_path, files_of(backend.name))
     given_head = _head_kind(draft_path)
@@ -54,9 +54,8 @@ def load_engine(args: Any) -> Loaded:
         notes = (f"drafter: {given_head}, the head {draft_path} (given)",)
         drafter_kind = given_head
     elif drafter_kind == "auto":
-        runs = drafters.IMPLEMENTED if target.capabilities.hidden_states else drafters.LOGITS_ONLY
         drafter_kind, draft_path, notes = auto_drafter(args.target, backend.name, args.device,
-                                                       args.draft, runs)
+                                                       args.draft)
     if args.k == 0:
         drafter_kind = "none"
     draft = None
@@ -67,7 +66,7 @@ def load_engine(args: Any) -> Loaded:
     head = draft_path if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
                                      vocab_limit=getattr(args, "draft_vocab", 0), head=head,
-                                     tree=bool(getattr(args, "tree", False)))
+                                     tree=tree)
     engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k)
     return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
                   notes=notes, draft=draft, backend=backend)
@@ -124,12 +123,12 @@ def _refuse_corrupted_files(*paths: str | None) -> None:
             store.check_file(path)
 
 
-def auto_drafter(target: str, backend: str, device: str, draft_path: str | None,
-                 runs: frozenset[str] = drafters.IMPLEMENTED
+def auto_drafter(target: str, backend: str, device: str, draft_path: str | None
                  ) -> tuple[str, str | None, tuple[str, ...]]:
     """--drafter auto: the --draft model when given, else the planner's choice among the
-    drafters that are downloaded (a missing one is named in the notes, never fetched).
-    The kind is the one to run (a draft model runs as its chain, lookup first)."""
+    drafters that are downloaded (a missing one is named in the notes, never fetched) and
+    that the backend runs (kinds.check, as every surface asks). The kind is the one to run
+    (a draft model runs as its chain, lookup first)."""
     from app import store
     from app.catalogue import planner
 
@@ -137,7 +136,7 @@ def auto_drafter(target: str, backend: str, device: str, draft_path: str | None,
         return "chain", draft_path, (f"drafter: lookup, then the draft {draft_path} (given)",)
     files = files_of(backend)  # llama.cpp plans over the GGUF files pulled for torch
     try:
-        plan = planner.plan(target, files, device, implemented=runs,
+        plan = planner.plan(target, files, device, runs=runs_of(backend),
                             installed=lambda model: store.model_path(model, files))
     except SpecdeckError as error:
         return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)

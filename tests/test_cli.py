@@ -61,7 +61,7 @@ BAD = [
     (["--prompt", "w1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--prompt", "   "], "the prompt is empty"),
     (["--prompt", " ".join(["w7"] * 300)], "takes at most 256"),
-    (["--prompt", "w1", "--drafter", "draft"], "needs --draft"),
+    (["--prompt", "w1", "--drafter", "draft"], "needs a draft model: give --draft PATH"),
     (["--prompt", "w1", "--seed", "-1"], "--seed must be in 0..2**64-1"),
     (["--prompt", "w1", "--seed", str(2**64)], "--seed must be in 0..2**64-1"),
 ]

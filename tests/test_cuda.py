@@ -69,7 +69,7 @@ def test_the_tiny_target_runs_on_the_gpu(target) -> None:
 
 @pytest.mark.parametrize("k", KS)
 def test_target_as_its_own_draft_on_cuda_accepts_every_token_and_keeps_the_oracle(target, k):
-    drafter = TorchBackend().draft_model_drafter(target, target)
+    drafter = TorchBackend().make_drafter("draft", target, draft=target)
     done = generate(SpecEngine(target, drafter, k=k), 24)
     assert list(done.token_ids) == oracle(target, PROMPT, 24)
     assert done.stats.accepted == done.stats.drafted > 0
@@ -77,7 +77,7 @@ def test_target_as_its_own_draft_on_cuda_accepts_every_token_and_keeps_the_oracl
 
 @pytest.mark.parametrize("k", KS)
 def test_unrelated_draft_model_on_cuda_keeps_the_oracle_output(target, unrelated, k):
-    drafter = TorchBackend().draft_model_drafter(target, unrelated)
+    drafter = TorchBackend().make_drafter("draft", target, draft=unrelated)
     done = generate(SpecEngine(target, drafter, k=k), 24)
     assert list(done.token_ids) == oracle(target, PROMPT, 24)
     assert done.stats.drafted > 0

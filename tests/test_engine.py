@@ -41,7 +41,8 @@ def unrelated(unrelated, backend, request):
 @pytest.fixture(scope="module")
 def draft_drafter(backend):
     """The backend's DraftModelDrafter factory: draft_drafter(target, draft)."""
-    return load_backend(backend).draft_model_drafter
+    made = load_backend(backend)
+    return lambda target, draft: made.make_drafter("draft", target, draft=draft)
 
 
 def oracle(model, prompt: Sequence[int], n: int, eos: frozenset[int] = frozenset()) -> list[int]:

@@ -88,13 +88,13 @@ def test_plain_decoding_on_a_gguf_is_the_oracle(target):
 @pytest.mark.parametrize("k", KS)
 def test_a_gguf_draft_model_keeps_the_plain_output(target, draft, k):
     plain = generate(target)
-    drafter = TorchBackend().draft_model_drafter(target, draft)
+    drafter = TorchBackend().make_drafter("draft", target, draft=draft)
     assert list(generate(target, drafter, k=k).token_ids) == list(plain.token_ids)
 
 
 @pytest.mark.parametrize("k", KS)
 def test_the_target_as_its_own_gguf_drafter_accepts_every_token(target, k):
-    drafter = TorchBackend().draft_model_drafter(target, target)
+    drafter = TorchBackend().make_drafter("draft", target, draft=target)
     done = generate(target, drafter, k=k)
     assert list(done.token_ids) == list(generate(target).token_ids)
     assert done.stats.accepted == done.stats.drafted > 0
@@ -116,7 +116,7 @@ def test_sampled_speculation_on_a_gguf_draws_from_the_targets_distribution(tmp_p
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
     prompt = [1, 2, 3, 4]
     joint = two_token_law(target, prompt, params, vocab)
-    drafter = TorchBackend().draft_model_drafter(target, draft)
+    drafter = TorchBackend().make_drafter("draft", target, draft=draft)
     engine = SpecEngine(target)
     counts, n, accepted = np.zeros((vocab, vocab)), 900, 0
     for seed in range(n):

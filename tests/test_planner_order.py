@@ -140,10 +140,12 @@ def test_on_mlx_lookahead_runs_its_tree_and_ranks_after_lookup(catalogue):
 def test_on_mlx_head_kinds_of_the_torch_backend_are_refused_and_eagle3_runs(catalogue):
     plan = planner.plan("qwen3-4b", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert plan.choice.label == "eagle3 eagle3-qwen3-4b"
-    torch_only = "runs on the torch backend only (mlx runs eagle3 and eagle heads)"
-    assert ("dflash", torch_only) in [(o.kind, o.reason) for o in plan.refused]
+    torch_only = "runs on the torch backend only (mlx runs eagle3 and eagle heads): use " \
+                 "--backend torch"
+    assert ("dflash", f"drafter 'dflash' {torch_only}") in [(o.kind, o.reason)
+                                                            for o in plan.refused]
     plan = planner.plan("mimo-7b-rl", "mlx", "gpu", PLENTY, catalogue=catalogue)
-    assert ("mtp", torch_only) in [(o.kind, o.reason) for o in plan.refused]
+    assert ("mtp", f"drafter 'mtp' {torch_only}") in [(o.kind, o.reason) for o in plan.refused]
 
 
 # ---- surfaces ------------------------------------------------------------------------------

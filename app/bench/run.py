@@ -581,8 +581,7 @@ def _plan_auto(args: argparse.Namespace, target: str
     from backends import detect_backend
 
     backend = detect_backend() if args.backend == "auto" else args.backend
-    runs = drafters.LOGITS_ONLY if backend == "llamacpp" else drafters.IMPLEMENTED
-    kind, path, notes = auto_drafter(target, backend, args.device, args.draft, runs)
+    kind, path, notes = auto_drafter(target, backend, args.device, args.draft)
     for note in notes:
         _stderr(f"auto: {note}")
     return kind, path, notes

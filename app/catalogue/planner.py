@@ -5,7 +5,9 @@ shipped for it: DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft model, 
 drafters that need no model: lookup or lookahead by device), weights and KV-cache
 arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
 and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
-Metal working set). Must not know: downloads, array libraries (app/ never imports torch).
+Metal working set). Must not know: downloads, array libraries (app/ never imports torch),
+whether a kind runs on a backend (app/drafters/kinds.py's check says, as it does for every
+surface).
 
 API:
     available_memory(backend, device="auto") -> bytes free for models now
@@ -14,7 +16,8 @@ API:
     kv_bytes_per_token(arch, dtype_bytes) -> layers x kv heads x head dim x 2 (K and V) x size
     fit(target, drafter, memory, context) -> Fit     with and without speculation
     pair_fit(pair, backend, device, memory, context) -> Fit
-    plan(target, backend, device, memory, context, catalogue, implemented, installed) -> Plan
+    plan(target, backend, device, memory, context, catalogue, implemented, installed, runs)
+        -> Plan
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
         Plan.passed (usable, but ranked after the choice), Plan.reasons() as lines for a
         terminal or the UI.
@@ -46,8 +49,9 @@ from app.catalogue.registry import (
     PairSpec,
     load_catalogue,
 )
+from app.core.protocols import Runs
 from app.core.types import SpecdeckError
-from app.drafters import TORCH_ONLY
+from app.drafters.kinds import chains_only, check
 
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
@@ -528,13 +532,18 @@ Installed = Callable[[ModelSpec], Path | None]
 def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
          memory: int | None = None, context: int = 4096, catalogue: Catalogue | None = None,
          implemented: frozenset[str] = IMPLEMENTED_KINDS,
-         installed: Installed | None = None) -> Plan:
+         installed: Installed | None = None, runs: Runs | None = None) -> Plan:
     """The drafter for a target: the first in `preference` order that is implemented,
-    available and fits; every other candidate is refused or passed over, with its reason.
+    runs here (kinds.check), is available and fits; every other candidate is refused or
+    passed over, with its reason.
 
     installed: when given, the local path of a drafter model or None when it is not
     downloaded (a drafter that is not downloaded is refused, never fetched silently).
+    runs: what the backend that runs the drafters runs, when it is not `backend` (llama.cpp
+    plans over the GGUF files pulled for torch); else `backend`'s own.
     """
+    from backends import runs_of
+
     catalogue = catalogue or load_catalogue()
     info = describe(target, catalogue) if isinstance(target, str) else target
     device = resolve_device(backend, device)
@@ -542,7 +551,8 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     dtype = dtype_for(backend, device, *_target_source(info, backend),
                       gguf=True if local_gguf else None)  # None: read from the format
     memory = available_memory(backend, device) if memory is None else memory
-    ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed)
+    ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed,
+                   runs or runs_of(backend))
     refused: list[Option] = []
     usable: list[Option] = []
     for candidate in ordered(_candidates(info, catalogue), backend, device):
@@ -591,6 +601,7 @@ class _Context:
     context: int
     implemented: frozenset[str]
     installed: Installed | None
+    runs: Runs
 
     def target_sizing(self) -> Sizing:
         info = self.info
@@ -612,8 +623,12 @@ class _Context:
         """Why this drafter cannot be used here, or '' when it can."""
         if option.kind not in self.implemented:
             return f"needs {option.kind}: specdeck does not run this drafter kind yet"
-        if option.kind in TORCH_ONLY and self.backend == "mlx":
-            return "runs on the torch backend only (mlx runs eagle3 and eagle heads)"
+        refusal = check(option.kind, self.runs)
+        if refusal is not None:
+            return refusal.message
+        shrinks = chains_only(option.kind, self.runs)
+        if shrinks:
+            return shrinks  # it runs, but pays less than it does where trees are verified
         if option.kind in MODEL_FREE:
             return ""  # no weights, no KV cache of its own: it fits wherever the target does
         if option.kind == "draft" and option.model.params > self.info.params * MAX_DRAFT_RATIO:

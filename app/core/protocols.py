@@ -2,9 +2,10 @@
 
 Knows: what the engine needs from a loaded model (Model), from its KV cache (Session), and
 from a drafter (Drafter), which reads each forward through a StepFeed (app/core/feed.py);
-what a backend can do (Capabilities); TargetOutput (app/core/output.py) is re-exported here.
-Must not know: torch, mlx, transformers. Adapters in backends/ implement these protocols; the
-engine in app/core/engine.py consumes them.
+what a backend can do (Capabilities) and which drafter kinds its own code builds (Runs);
+TargetOutput (app/core/output.py) is re-exported here. Must not know: torch, mlx,
+transformers. Adapters in backends/ implement these protocols; the engine in
+app/core/engine.py consumes them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ class Capabilities:
     hidden_states: bool = False  # can capture chosen layers' hidden states for heads
     tree_attention: bool = False  # Session.forward takes `parents` (tree drafts)
     reason: str = ""  # why a capability is missing, named in refusals
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What one backend declares it runs, known without importing its array library: the
+    drafter kinds its own code builds (a draft model, heads, own layers; kinds that need
+    nothing run everywhere) and what its targets give (a loaded target's own capabilities
+    take precedence). app/drafters/kinds.py checks a kind against it."""
+
+    backend: str
+    builds: frozenset[str]
+    capabilities: Capabilities
+    head_trees: bool = True  # its heads draft EAGLE-2 trees when asked (--tree)
 
 
 @runtime_checkable
@@ -151,12 +165,18 @@ def collect_eos_ids(*sources: Any) -> frozenset[int]:
 
 
 class Backend(Protocol):
-    """An array library adapter: loads models and builds its model-based drafters (the
-    drafter factory in app/drafters asks it for them)."""
+    """An array library adapter: loads models and builds the drafters its own code holds (the
+    drafter factory in app/drafters asks it for them, by kind)."""
 
     name: str
+    runs: Runs
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> Model: ...
 
-    def draft_model_drafter(self, target: Model, draft: Model, vocab_limit: int = 0
-                            ) -> Drafter: ...
+    def make_drafter(self, kind: str, target: Model, *, draft: Model | None = None,
+                     head: str | None = None, tree: bool = False, vocab_limit: int = 0
+                     ) -> Drafter:
+        """The drafter of a kind in `runs.builds` for target: a draft model's ("draft"), a
+        head's from its folder, the target's own layers'; SpecdeckError with the one check's
+        message (app/drafters/kinds.py) where it cannot."""
+        ...

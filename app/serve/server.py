@@ -37,6 +37,7 @@ from typing import Any
 from app import drafters
 from app.core import compute
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
+from app.drafters.kinds import check, unknown
 from app.flags import DEFAULT_K, add_model_arguments
 from app.serve.admission import Gate, Ticket, read_body, require_json
 from app.serve.metrics import FINISH, Metrics, render_all
@@ -92,17 +93,15 @@ class Served:
         name = name or self.drafter_name
         if name == self.drafter_name:
             return self.engine.drafter, name
-        if name not in drafters.CHOICES or name == "auto":
-            raise ApiError(f"unknown drafter {name!r}: use one of "
-                           f"{', '.join(c for c in drafters.CHOICES if c != 'auto')}", "drafter")
-        if name in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
-            raise ApiError(f"drafter {name!r} needs a draft model, and this server runs "
-                           f"{self.drafter_name!r} without one: use drafter 'ngram' or 'none', "
-                           "or restart with --drafter chain --draft PATH", "drafter")
-        if name in drafters.HEADS:
-            raise ApiError(f"drafter {name!r} needs its head, and this server runs "
-                           f"{self.drafter_name!r}: restart with --drafter {name} --draft "
-                           "HEAD_DIR", "drafter")
+        target = self.engine.target
+        refusal = (check(name, getattr(self.backend, "runs", None),
+                         capabilities=getattr(target, "capabilities", None),
+                         # a request names no head folder: heads run as the server's own drafter
+                         has_draft=self.draft is not None, has_head=False,
+                         target=getattr(target, "name", "this target"))
+                   if name in drafters.KINDS else unknown(name))  # no "<kind>:tree" here
+        if refusal is not None:
+            raise ApiError(refusal.message, "drafter")
         if name not in self._drafters:
             self._drafters[name] = drafters.build_drafter(
                 name, self.engine.target, backend=self.backend, draft=self.draft)

@@ -1,12 +1,13 @@
 """What the app has loaded: one target, an optional draft model, and one engine for the target.
 
 Knows: how the drafter control's value maps to a drafter (built once per kind by the factory
-in app/drafters), whether a kind can run on the loaded models and why not (`resolve`: the
-head the pair ships and its kind, a draft model, the target's own MTP layers, what the
-backend's target gives), that chat and race share the target's one engine and so its KV cache
-whatever drafter they use (the race's plain lane has an engine of its own, since both lanes
-run at once), which browser session may cancel which generation, and that one generation at
-a time runs per target (the `busy` lock, next to the Gradio queue's limit).
+in app/drafters), what of the loaded models `resolve` hands to the one check of a kind
+(app/drafters/kinds.py: the head the pair ships and its kind, a draft model, the target's own
+MTP layers, the backend and its target's capabilities), that chat and race share the
+target's one engine and so its KV cache whatever drafter they use (the race's plain lane has
+an engine of its own, since both lanes run at once), which browser session may cancel which
+generation, and that one generation at a time runs per target (the `busy` lock, next to the
+Gradio queue's limit).
 Must not know: Gradio components, array libraries (backends load the models).
 """
 
@@ -23,7 +24,9 @@ from app import drafters
 from app.core import compute
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
+from app.drafters.kinds import BY_NAME, check
 from app.drafters.pairing import check_vocab_compatible
+from backends import runs_of
 
 DRAFTER_CHOICES = drafters.WITH_TREES
 
@@ -149,22 +152,13 @@ class Workbench:
             if self.draft is not None:
                 return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
             return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
-        base = kind.removesuffix(drafters.TREE_SUFFIX)
-        if kind != base and base not in drafters.TREES:
-            raise SpecdeckError(f"drafter {base!r} does not draft trees: pick one of "
-                                f"{', '.join(k + drafters.TREE_SUFFIX for k in drafters.TREES)}")
-        if base not in drafters.IMPLEMENTED:
-            raise SpecdeckError(f"drafter {kind!r} needs {kind}, which this app cannot build "
-                                f"yet: pick one of {', '.join(DRAFTER_CHOICES)}")
-        if base in drafters.HEADS and self.head is None:
-            raise SpecdeckError(f"drafter {kind!r} needs its head: load a pair that ships one "
-                                "in the Models tab, or start with --draft HEAD_DIR")
-        if kind in drafters.NEEDS_DRAFT_MODEL and self.draft is None:
-            raise SpecdeckError(f"drafter {kind!r} needs a draft model: load a pair with a draft "
-                                "model in the Models tab, or start with --draft PATH")
-        problem = self._not_here(kind, base)
-        if problem:
-            raise SpecdeckError(problem)
+        refusal = check(kind, runs_of(self.backend.name) if self.backend else None,
+                        capabilities=getattr(self.target, "capabilities", None),
+                        has_draft=self.draft is not None, has_head=self.head is not None,
+                        head_kind=self.head_kind, mtp_layers=self.mtp_layers,
+                        target=getattr(self.target, "name", "this target"))
+        if refusal is not None:
+            raise SpecdeckError(refusal.message)
         return Choice(kind, "plain decoding" if kind == "none" else f"chosen: {kind}")
 
     def why_not(self, kind: str) -> str:
@@ -173,26 +167,6 @@ class Workbench:
             self.resolve(kind)
         except SpecdeckError as error:
             return str(error)
-        return ""
-
-    def _not_here(self, kind: str, base: str) -> str:
-        """What of the loaded pair and backend rules kind out, or '' (after resolve's checks
-        of the control's value)."""
-        own = base.removeprefix(drafters.LOOKUP_FIRST)
-        if base in drafters.HEADS and self.head_kind not in (None, own):
-            return (f"drafter {kind!r} needs a {own} head, and this pair's head is "
-                    f"{self.head_kind}: pick {self.head_kind}")
-        if base in drafters.NATIVE and self.mtp_layers == 0:
-            return (f"drafter {kind!r} needs MTP layers in the target's own checkpoint, and "
-                    f"{getattr(self.target, 'name', 'this target')} has none")
-        backend = getattr(self.backend, "name", None)
-        if base in drafters.TORCH_ONLY and backend == "mlx":
-            return f"drafter {kind!r} runs on the torch backend only (mlx runs eagle3 and eagle)"
-        capabilities = getattr(self.target, "capabilities", None)
-        if (base in drafters.READS_HIDDEN_STATES and capabilities is not None
-                and not capabilities.hidden_states):
-            return (f"drafter {kind!r} reads the target's hidden states, which the "
-                    f"{backend or 'loaded'} backend does not give: load the pair on torch")
         return ""
 
     def engine(self, kind: str, k: int | str, lane: str = "chat") -> tuple[Bound, Choice]:
@@ -299,7 +273,7 @@ def _head_kind(head: str | None, auto_kind: Choice | None) -> str | None:
     if head is None:
         return None
     if auto_kind is not None and auto_kind.kind in drafters.HEADS:
-        return auto_kind.kind.removeprefix(drafters.LOOKUP_FIRST)
+        return BY_NAME[auto_kind.kind].built_as
     from backends.torch.heads.eagle_format import head_kind
     return head_kind(head)
 

@@ -28,8 +28,10 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
-from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
+from app.core.protocols import TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
+from app.drafters.kinds import require_built
+from backends.llamacpp import RUNS
 
 MAX_CONTEXT = 32768  # KV cache tokens at most (the 1.5B Qwen's full 32k: 0.9 GB in f16)
 PREFILL_BATCH = 512  # tokens per llama_decode while reading a prompt
@@ -182,9 +184,7 @@ class LlamaCppModel:
             [t for t in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)) if t >= 0])
         self.context_length = min(int(ll.llama_model_n_ctx_train(self.handle)), MAX_CONTEXT)
         self.n_layers = int(ll.llama_model_n_layer(self.handle))
-        self.capabilities = Capabilities(
-            rewind=True, hidden_states=False, tree_attention=False,
-            reason="llama.cpp runs chains and returns logits only")
+        self.capabilities = RUNS.capabilities
         self.device = "cpu"
         self.dtype = "gguf"
         self.row_block = MAX_BLOCK
@@ -229,6 +229,7 @@ class LlamaCppBackend:
     """Loads .gguf files with llama.cpp; draft models run on it too."""
 
     name = "llamacpp"
+    runs = RUNS
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> LlamaCppModel:
         if device not in ("auto", "cpu"):
@@ -247,15 +248,15 @@ class LlamaCppBackend:
                 model = unpacked
         return model
 
-    def draft_model_drafter(self, target: LlamaCppModel, draft: LlamaCppModel,
-                            vocab_limit: int = 0) -> Any:
+    def make_drafter(self, kind: str, target: LlamaCppModel, *,
+                     draft: LlamaCppModel | None = None, head: str | None = None,
+                     tree: bool = False, vocab_limit: int = 0) -> Any:
+        """A draft model's drafter ("draft"); heads are refused by the check (its targets
+        return logits only)."""
+        require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
+                      has_draft=draft is not None, has_head=bool(head), target=target.name)
         from app.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-
-    def head_drafter(self, kind: str, target: LlamaCppModel, path: str,
-                     tree: bool = False) -> Any:
-        raise SpecdeckError(f"drafter {kind!r} reads the target's hidden states, which "
-                            "llama.cpp does not return: use --backend torch for heads")
 
 
 def _gguf_file(path: Path) -> Path:

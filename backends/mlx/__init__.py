@@ -1,2 +1,13 @@
-"""The MLX backend (Apple silicon; its CPU build on Linux) and its device-side drafter.
+"""The MLX backend (Apple silicon; its CPU build on Linux) and its device-side drafter; RUNS:
+what it runs, read without importing mlx.
 """
+
+from __future__ import annotations
+
+from app.core.protocols import Capabilities, Runs
+
+# a draft model and the EAGLE heads, which draft chains; its targets verify trees where
+# backends/mlx/tree.py patches their attention (a loaded target's capabilities say)
+RUNS = Runs("mlx", frozenset({"draft", "eagle3", "eagle"}),
+            Capabilities(rewind=True, hidden_states=True, tree_attention=True),
+            head_trees=False)

@@ -25,14 +25,15 @@ from transformers import AutoTokenizer
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError
+from app.drafters.kinds import require_built
 from backends.gguf import hf_folder
+from backends.mlx import RUNS
 from backends.mlx import tree as mlx_tree
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
 _DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
            "bf16": mx.bfloat16, "float16": mx.float16, "fp16": mx.float16}
 _GPU_NAMES = ("gpu", "metal", "mps", "cuda")
-_MLX_HEADS = frozenset({"eagle3", "eagle"})  # head kinds MLX runs; the others are torch's
 
 
 def resolve_device(device: str) -> mx.Device:
@@ -230,6 +231,7 @@ class MlxBackend:
     """Loads HF-format folders (and the converted copy of a .gguf); builds the drafter."""
 
     name = "mlx"
+    runs = RUNS
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> MlxModel:
         stream = resolve_device(device)
@@ -248,32 +250,34 @@ class MlxBackend:
         mx.eval(net.parameters())
         return MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
 
-    def draft_model_drafter(self, target: MlxModel, draft: MlxModel, vocab_limit: int = 0) -> Any:
-        from backends.mlx.drafters import DraftModelDrafter
-        return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+    def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
+                     head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
+        """A draft model's drafter ("draft"), or an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle")
+        head drafter from its folder, checked against the target; the heads draft chains only
+        (RUNS.head_trees: the check refuses tree=True), though a target verifies the trees of
+        the model-free drafters."""
+        require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
+                      has_draft=draft is not None, has_head=bool(head), target=target.name)
+        if kind == "draft":
+            from backends.mlx.drafters import DraftModelDrafter
 
-    def head_drafter(self, kind: str, target: MlxModel, path: str, tree: bool = False) -> Any:
-        """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head drafter from its folder, checked
-        against the target; chains only (tree=True is refused: the MLX head drafts chains,
-        though the MLX target verifies the trees of the model-free drafters)."""
-        if kind not in _MLX_HEADS:
-            raise SpecdeckError(f"drafter {kind!r} runs on the torch backend only: use "
-                                "--backend torch (MLX runs eagle3 and eagle heads)")
-        if tree:
-            raise SpecdeckError(f"EAGLE-2 trees are not drafted by the MLX {kind} head yet "
-                                f"(it drafts chains): drop --tree to draft {kind} chains on "
-                                "MLX, or use --backend torch for trees")
-        from backends.head_rows import CHAIN_MIN_CONFIDENCE
-        from backends.mlx.heads.eagle import load_eagle_head, target_parts
-        from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
+            return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+        return _eagle_drafter(kind, target, head)
 
-        _, final_norm, _ = target_parts(target.net, target.name)  # never quantized: H wide
-        head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
-                                     hidden_size=int(final_norm.weight.shape[-1]),
-                                     vocab_size=target.vocab_size,
-                                     n_layers=target.n_layers,
-                                     dtype=_stored_dtype(target.net))
-        return MlxEagleDrafter(target, head, spec, min_confidence=CHAIN_MIN_CONFIDENCE)
+
+def _eagle_drafter(kind: str, target: MlxModel, path: str) -> Any:
+    """The head from its folder, checked against the target."""
+    from backends.head_rows import CHAIN_MIN_CONFIDENCE
+    from backends.mlx.heads.eagle import load_eagle_head, target_parts
+    from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
+
+    _, final_norm, _ = target_parts(target.net, target.name)  # never quantized: H wide
+    head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
+                                 hidden_size=int(final_norm.weight.shape[-1]),
+                                 vocab_size=target.vocab_size,
+                                 n_layers=target.n_layers,
+                                 dtype=_stored_dtype(target.net))
+    return MlxEagleDrafter(target, head, spec, min_confidence=CHAIN_MIN_CONFIDENCE)
 
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:

@@ -24,11 +24,12 @@ from transformers.utils import logging as hf_logging
 
 from app.core.protocols import Capabilities, collect_eos_ids
 from app.core.types import SpecdeckError
+from app.drafters.kinds import require_built
 from backends.cpu import cpu_has_native_bf16
 from backends.gguf import CONVERTED_SUFFIX, metadata_folder
 from backends.gguf_header import file_type
+from backends.torch import RUNS, gguf_model, w4a8
 from backends.torch import attention as torch_attention
-from backends.torch import gguf_model, w4a8
 from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
@@ -223,9 +224,10 @@ class TorchModel:
 
 
 class TorchBackend:
-    """Loads HF folders and GGUF files; builds the draft-model drafter."""
+    """Loads HF folders and GGUF files; builds every drafter kind that needs a model."""
 
     name = "torch"
+    runs = RUNS
 
     def load(self, path: str, device: str = "auto", dtype: str = "auto") -> TorchModel:
         device = resolve_device(device)
@@ -251,19 +253,24 @@ class TorchBackend:
         model.check_exactness()
         return model
 
-    def draft_model_drafter(self, target: TorchModel, draft: TorchModel,
-                            vocab_limit: int = 0) -> Any:
-        from app.drafters.draft_model import DraftModelDrafter
-        return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+    def make_drafter(self, kind: str, target: TorchModel, *, draft: TorchModel | None = None,
+                     head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
+        """A draft model's drafter ("draft"), the target's own MTP layers' ("mtp", a
+        SpecdeckError when it has none), or a head's from its folder, checked against the
+        target (see _head_drafter)."""
+        require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
+                      has_draft=draft is not None, has_head=bool(head), target=target.name)
+        if kind == "draft":
+            from app.drafters.draft_model import DraftModelDrafter
 
-    def mtp_drafter(self, target: TorchModel) -> Any:
-        """The target's own MTP layers as its drafter (SpecdeckError when it has none)."""
-        from backends.torch.heads.mtp import load_mtp_drafter
+            return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+        if kind == "mtp":
+            from backends.torch.heads.mtp import load_mtp_drafter
 
-        return load_mtp_drafter(target)
+            return load_mtp_drafter(target)
+        return self._head_drafter(kind, target, head, tree)
 
-
-    def head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool = False) -> Any:
+    def _head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool) -> Any:
         """A head drafter from its folder, checked against the target: an EAGLE-3 ("eagle3")
         or EAGLE-1/2 ("eagle") head (tree=True drafts EAGLE-2 dynamic trees), Medusa heads
         ("medusa") or a DFlash block drafter ("dflash")."""
@@ -347,7 +354,7 @@ def _capabilities(config: Any) -> Capabilities:
         return Capabilities(rewind=False, hidden_states=True,
                             reason=f"layers of type {sorted(recurrent)} keep a state that cannot "
                                    "be rewound")
-    return Capabilities(rewind=True, hidden_states=True, tree_attention=True)  # 4D masks
+    return RUNS.capabilities  # 4D masks: trees
 
 
 def _display_name(path: Path) -> str:

@@ -6,7 +6,7 @@ pipeline, mlx arrays and streams; the head's rows are kept by backends/head_rows
 know: verification, the target's cache.
 
 The same drafter as backends/torch/heads/eagle_drafter.py, chains only (the head's own
-attention takes consecutive rows: EAGLE-2 trees are refused by MlxBackend.head_drafter).
+attention takes consecutive rows: EAGLE-2 trees are refused by MlxBackend.make_drafter).
 Alignment (HEADS.md 1.2, 1.3): the head row at position t reads the target's state at t and
 the embedding of token t + 1; its output scores token t + 2. The head's KV cache holds only
 rows built from target states, so it follows the accepted path: the verify forward's states

@@ -1,0 +1,173 @@
+"""The table of drafter kinds and its one check: every kind has one record, each backend runs
+what it ran before the table, and every surface (the factory, loading, the workbench, the
+server, the planner, the backends' make_drafter) refuses a kind with check's one message."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from app import drafters
+from app.catalogue import planner
+from app.catalogue.registry import load_catalogue
+from app.core.protocols import Capabilities
+from app.core.types import SpecdeckError
+from app.drafters import kinds
+from app.drafters.kinds import BY_NAME, NAMES, TABLE, check
+from app.loading import load_engine
+from app.serve.requests import ApiError
+from app.serve.server import Served
+from app.ui.workbench import Workbench
+from backends import runs_of
+from backends.extras import BACKENDS
+from tests.fakes import FakeModel
+
+PLENTY = 10**12  # every drafter fits: only what runs where decides
+NEEDS = (kinds.NOTHING, kinds.DRAFT_MODEL, kinds.HEAD, kinds.OWN_LAYERS)
+# what each backend ran before the table (the factory's and the planner's rules then)
+RAN = {
+    "torch": frozenset(NAMES),
+    "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
+                      "lookup+eagle3", "lookup+eagle", "lookahead"}),
+    "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
+}
+# what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
+# and lookup trees are no longer passed over there; llama.cpp planned over LOGITS_ONLY
+PLANNED = {"torch": frozenset(NAMES),
+           "mlx": RAN["mlx"],
+           "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
+TORCH_ONLY_ON_MLX = ("mtp", "medusa", "dflash")
+
+
+def target_on(backend: str) -> FakeModel:
+    target = FakeModel()
+    target.capabilities = runs_of(backend).capabilities
+    return target
+
+
+def everything_at_hand(kind: str, backend: str) -> Workbench:
+    """A workbench on backend with a draft model, a head of kind's own and MTP layers."""
+    bench = Workbench()
+    bench.attach(target_on(backend), draft=FakeModel())
+    bench.backend = SimpleNamespace(name=backend)
+    bench.head, bench.head_kind, bench.mtp_layers = "/heads/h", BY_NAME[kind].built_as, 1
+    return bench
+
+
+def test_every_kind_has_one_record():
+    assert len(NAMES) == len(TABLE) == len(set(NAMES))
+    assert drafters.KINDS == NAMES and drafters.CHOICES == ("auto", *NAMES)
+    assert all(k.needs in NEEDS and k.trees in (kinds.NEVER, kinds.ALWAYS, kinds.ASKED)
+               and k.description for k in TABLE)
+    assert all(BY_NAME[k.after_lookup].needs == k.needs for k in TABLE if k.after_lookup)
+
+
+def test_the_old_kind_sets_are_read_from_the_table():
+    assert drafters.NEEDS_DRAFT_MODEL == {"draft", "chain"}
+    assert drafters.HEADS == {"medusa", "dflash", "eagle3", "eagle", "lookup+eagle3",
+                              "lookup+eagle"}
+    assert set(drafters.TREES) == {"eagle3", "eagle"}
+    assert drafters.OWN_MODEL == drafters.HEADS | drafters.NEEDS_DRAFT_MODEL
+
+
+def test_the_reference_backend_builds_every_kind_that_needs_building():
+    needed = {k.built_as for k in TABLE if k.needs != kinds.NOTHING}
+    assert needed <= runs_of(kinds.REFERENCE).builds
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_runs_what_it_ran_before_the_table(backend):
+    runs = runs_of(backend)
+    assert {k for k in NAMES if check(k, runs) is None} == RAN[backend]
+    assert {k for k in RAN[backend] if not kinds.chains_only(k, runs)} == PLANNED[backend]
+
+
+@pytest.mark.parametrize("kind", TORCH_ONLY_ON_MLX)
+def test_every_surface_refuses_a_torch_only_kind_on_mlx_with_the_same_message(kind, tmp_path):
+    from backends.mlx.backend import MlxBackend
+
+    message = check(kind, runs_of("mlx")).message
+    assert message.endswith("use --backend torch")
+    mlx = SimpleNamespace(name="mlx", runs=runs_of("mlx"))
+    with pytest.raises(SpecdeckError) as factory:
+        drafters.build_drafter(kind, target_on("mlx"), backend=mlx, head="/heads/h")
+    with pytest.raises(SpecdeckError) as backend:
+        MlxBackend().make_drafter(kind, target_on("mlx"), head="/heads/h")
+    with pytest.raises(SpecdeckError) as loading:
+        load_engine(SimpleNamespace(k=4, target=str(tmp_path), drafter=kind, draft="/heads/h",
+                                    backend="mlx", device="auto", dtype="auto", tree=False))
+    served = Served(engine=SimpleNamespace(target=target_on("mlx"), drafter=None),
+                    model_id="m", drafter_name="ngram", backend=mlx)
+    with pytest.raises(ApiError) as server:
+        served.drafter_for(kind)
+    refusals = [str(factory.value), str(backend.value), str(loading.value), str(server.value),
+                everything_at_hand(kind, "mlx").why_not(kind)]
+    assert refusals == [message] * 5
+
+
+def test_the_planner_refuses_torch_only_kinds_on_mlx_with_the_same_message():
+    catalogue = load_catalogue()
+    refused = {o.kind: o.reason for target in ("qwen3-4b", "mimo-7b-rl")
+               for o in planner.plan(target, "mlx", "gpu", PLENTY, catalogue=catalogue).refused}
+    assert refused["dflash"] == check("dflash", runs_of("mlx")).message
+    assert refused["mtp"] == check("mtp", runs_of("mlx")).message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_workbench_agrees_with_check_for_every_kind(backend):
+    runs = runs_of(backend)
+    for kind in (*NAMES, *(k + kinds.TREE_SUFFIX for k in drafters.TREES)):
+        refusal = check(kind, runs)
+        assert everything_at_hand(kind.removesuffix(kinds.TREE_SUFFIX),
+                                  backend).why_not(kind) == (refusal.message if refusal else "")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_planner_agrees_with_check_for_every_kind_it_considers(backend):
+    """Every catalogue target, planned as each backend plans (llama.cpp over torch's files):
+    a kind check refuses is refused with check's message; one check passes is refused only
+    for what the planner alone knows (its tree shrinking, downloads, size, a head's τ)."""
+    catalogue, runs = load_catalogue(), runs_of(backend)
+    files, device = ("torch", "cpu") if backend == "llamacpp" else (backend, "auto")
+    considered = set()
+    for target in sorted({pair.target.id for pair in catalogue.pairs.values()}):
+        plan = planner.plan(target, files, device, PLENTY, catalogue=catalogue, runs=runs)
+        for option in (plan.choice, *plan.passed, *plan.refused):
+            considered.add(option.kind)
+            refusal = check(option.kind, runs)
+            if refusal is not None:
+                assert option in plan.refused and option.reason == refusal.message
+            elif option in plan.refused:
+                assert "drafter" not in option.reason.split(":")[0]
+    assert considered >= {"mtp", "dflash", "eagle3", "medusa", "draft", "lookahead", "ngram"}
+
+
+def test_a_tree_is_refused_where_the_target_verifies_chains_naming_both_fixes():
+    chains = Capabilities(hidden_states=True, tree_attention=False, reason="not patched")
+    assert check("eagle3:tree", capabilities=chains).message.endswith(
+        "drop --tree to draft eagle3 chains, or use --backend torch for trees")
+    assert check("lookahead", capabilities=chains) is None  # its tree shrinks to a chain
+
+
+def test_an_eagle_tree_is_refused_on_mlx_whose_heads_draft_chains_naming_both_fixes():
+    refusal = check("eagle3:tree", runs_of("mlx"))
+    assert "head drafts chains only" in refusal.message
+    assert refusal.message.endswith("drop --tree to draft eagle3 chains, or use --backend "
+                                    "torch for trees")
+    assert check("eagle3", runs_of("mlx"), tree=True) == refusal.__class__(
+        "eagle3", refusal.reason.replace("'eagle3:tree'", "'eagle3'"), refusal.fix)
+    assert check("ngram", runs_of("mlx"), tree=True) is None  # --tree asks tree drafters only
+    assert "does not draft trees" in check("ngram:tree", runs_of("torch")).message
+
+
+def test_what_is_missing_is_named_where_the_backend_runs_the_kind():
+    mlx = runs_of("mlx")
+    assert "torch backend only" in check("medusa", mlx, has_head=False).message
+    assert check("chain", mlx, has_draft=False).message.startswith(
+        "drafter 'chain' needs a draft model: give --draft PATH")
+    assert check("eagle3", mlx, has_head=False).message.startswith(
+        "drafter 'eagle3' needs its head: give --draft HEAD_DIR")
+    assert check("lookup+eagle", mlx, head_kind="eagle3").message == (
+        "drafter 'lookup+eagle' needs a eagle head, and this pair's head is eagle3: pick eagle3")
+    assert check("unknown9").message.startswith("unknown drafter 'unknown9': use one of none,")

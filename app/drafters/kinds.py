@@ -76,7 +76,7 @@ TABLE = (
     Kind("mtp", OWN_LAYERS, "the target's own MTP layers (native multi-token prediction)"),
     Kind("medusa", HEAD, "Medusa heads on the target's last hidden state (a static tree)",
          trees=ALWAYS, downloads=True),
-    Kind("dflash", HEAD, "a DFlash block drafter on the target's hidden states",
+    Kind("dflash", HEAD, "a DFlash (or DFlash 2) block drafter on the target's hidden states",
          downloads=True),
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
          trees=ALWAYS),

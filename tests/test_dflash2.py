@@ -2,15 +2,13 @@
 a candidate selector; codebooks stored without `.weight`) proposes, round by round, the blocks
 the reference implementation (PyPI dflash 0.1.0, golden values made by
 tests/fixtures/dflash/make_golden2.py) proposed, and its selector's q is the reference's;
-speculative output equals plain decoding
-(greedy at k 1, 2, 4, 7; sampled output keeps the target's law through the selector's q);
-incomplete DFlash 2 folders are refused naming what they lack."""
+its sampled drafts carry the selector's q (greedy and sampled losslessness: test_dflash.py,
+over both drafter folders); incomplete DFlash 2 folders are refused naming what they lack."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +18,11 @@ torch = pytest.importorskip("torch")
 
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.feed import StepFeed  # noqa: E402
-from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.heads.dflash import load_dflash_drafter  # noqa: E402
-from tests.distributions import assert_follows  # noqa: E402
-from tests.marks import heavy  # noqa: E402
+from tests.test_dflash import Recording  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dflash"
 DRAFTER = FIX / "drafter2"
@@ -36,27 +32,6 @@ GOLDEN = json.loads((FIX / "golden2.json").read_text())
 @pytest.fixture(scope="module")
 def target():
     return TorchBackend().load(str(FIX / "target"), device="cpu", dtype="float32")
-
-
-class Recording:
-    """The drafter, with every proposed block and its wall time kept."""
-
-    def __init__(self, inner):
-        self.inner, self.blocks, self.seconds = inner, [], []
-        self.name, self.capture_layers = inner.name, inner.capture_layers
-
-    def begin(self, *args):
-        self.inner.begin(*args)
-
-    def propose(self, context, k):
-        began = time.perf_counter()
-        draft = self.inner.propose(context, k)
-        self.seconds.append(time.perf_counter() - began)
-        self.blocks.append(list(draft.tokens))
-        return draft
-
-    def accept(self, feed):
-        self.inner.accept(feed)
 
 
 def test_each_round_drafts_the_block_the_reference_drafted(target):
@@ -73,17 +48,6 @@ def test_each_round_drafts_the_block_the_reference_drafted(target):
     assert rounds >= 15 and 2 in GOLDEN["acceptance_lengths"][:rounds]  # accepted rows read
     assert [len(s.tokens) for s in steps][:rounds] == GOLDEN["acceptance_lengths"][:rounds]
     assert drafter.blocks[:rounds] == GOLDEN["drafts"][:rounds]
-
-
-@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
-def test_greedy_dflash_2_gives_exactly_the_plain_tokens(target, k):
-    prompt = GOLDEN["prompt"]
-    plain = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30)))[-1]
-    drafter = load_dflash_drafter(target, str(DRAFTER))
-    done = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30),
-                                            drafter=drafter, k=k))[-1]
-    assert done.token_ids == plain.token_ids
-    assert 0 < done.stats.drafted <= min(k, 3) * done.stats.target_forwards  # block 4: k <= 3
 
 
 def test_sampled_drafts_come_with_the_selectors_q_over_its_candidates(target):
@@ -107,30 +71,6 @@ def test_the_first_slots_q_is_the_references(target):
     q = drafter.propose([*prompt, anchor], 3).probs[0]
     assert set(np.flatnonzero(q)) <= set(golden["candidates"])
     assert np.allclose(q[golden["candidates"]], golden["q"], rtol=1e-4, atol=1e-7)
-
-
-@pytest.mark.heavy  # 500 sampled generations
-def test_sampled_dflash_2_commits_tokens_from_the_targets_own_distribution():
-    target = TorchBackend().load(str(FIX / "target"), device="cpu", dtype="float32")
-    target.eos_token_ids = frozenset()  # every generation runs to its length
-    params = SamplingParams(temperature=1.0)
-    prompt = [2, 3]
-    session = target.start()  # the target's law of the second token (the first is sampled
-    p0 = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
-    expected = np.zeros(target.vocab_size)  # at the prefill; the second is verified)
-    for a in range(target.vocab_size):
-        expected += p0[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
-                                 params)
-        session.rewind(len(prompt))
-    engine, n = SpecEngine(target), 500
-    counts = np.zeros(target.vocab_size)
-    drafter = load_dflash_drafter(target, str(DRAFTER))
-    for seed in range(n):
-        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
-                                                           seed=seed), drafter=drafter, k=2))[-1]
-        counts[done.token_ids[1]] += 1
-    assert done.stats.drafted > 0
-    assert_follows(counts, expected * n)
 
 
 def test_a_dflash_2_folder_missing_a_selector_tensor_is_refused_naming_it(target, tmp_path):

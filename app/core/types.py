@@ -129,6 +129,17 @@ class Draft:
                        parents=None if self.parents is None else new_parents)
 
 
+def tree_parents(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
+    """A forward's `parents` (Session.forward) as a tuple when they describe a tree of n rows,
+    None for a chain or none given; ValueError where a row does not follow its parent."""
+    if parents is None:
+        return None
+    parents = tuple(int(p) for p in parents)
+    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"parents must precede their rows: {parents}")
+    return None if parents == tuple(range(-1, n - 1)) else parents
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Outcome of verifying one draft: the accepted path and the token after it.

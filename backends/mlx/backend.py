@@ -24,7 +24,7 @@ from mlx_lm.utils import load_config, load_model
 from transformers import AutoTokenizer
 
 from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
-from app.core.types import SpecdeckError
+from app.core.types import SpecdeckError, tree_parents
 from app.drafters.kinds import require_built
 from backends.gguf import hf_folder
 from backends.mlx import RUNS
@@ -112,15 +112,10 @@ class MlxSession:
 
     def _tree(self, parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
         """parents as a tuple when they describe a tree, None for a chain (or none given)."""
-        if parents is None:
-            return None
-        parents = tuple(int(p) for p in parents)
-        if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
-            raise ValueError(f"parents must precede their rows: {parents}")
-        if parents == tuple(range(-1, n - 1)):
-            return None
-        self._refuse_trees()
-        return parents
+        tree = tree_parents(parents, n)
+        if tree is not None:
+            self._refuse_trees()
+        return tree
 
     def _refuse_trees(self) -> None:
         if not self._model.capabilities.tree_attention:

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from app.core.protocols import Capabilities, TargetOutput
-from app.core.types import SpecdeckError
+from app.core.types import SpecdeckError, tree_parents
 from backends.torch import attention as torch_attention
 from backends.torch.decoder import LeanDecoder, chain_keys, tree_keys, tree_positions
 from backends.torch.output_heads import SubsetHead, logits_are_the_head_alone
@@ -310,14 +310,8 @@ def _recorder(store: Hidden, layer: int) -> Callable[[Any, Any, Any], None]:
 
 def _tree_rows(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:
     """parents as a tuple when they describe a tree, None for a chain (or no parents)."""
-    if parents is None:
-        return None
-    parents = tuple(int(p) for p in parents)
-    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
-        raise ValueError(f"parents must precede their rows: {parents}")
-    if parents == tuple(range(-1, n - 1)):
-        return None
-    if n > MAX_VERIFY_ROWS:
+    parents = tree_parents(parents, n)
+    if parents is not None and n > MAX_VERIFY_ROWS:
         raise SpecdeckError(f"a tree of {n} rows is over the {MAX_VERIFY_ROWS} a verify takes")
     return parents
 

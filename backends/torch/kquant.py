@@ -74,16 +74,11 @@ def pack(ggml_type: int, stored: np.ndarray, out_features: int, in_features: int
     return packed
 
 
-def matmul(ggml_type: int, packed: np.ndarray, out_features: int, x: torch.Tensor,
-           bias: torch.Tensor | None, out: torch.Tensor, column: int) -> None:
-    """out[:, column:column+out_features] = x (float32 [rows, in]) times the packed weight."""
-    matmul_at(ggml_type, packed.ctypes.data, out_features, x, bias, out, column)
-
-
 def matmul_at(ggml_type: int, packed: int, out_features: int, x: torch.Tensor,
               bias: torch.Tensor | None, out: torch.Tensor, column: int) -> None:
-    """matmul with the packed weight given by its address: a decode step makes about 200 of
-    these calls, so what Python does per call is kept to the call itself."""
+    """out[:, column:column+out_features] = x (float32 [rows, in], contiguous) times the
+    packed weight at address `packed` (pack()'s array's `ctypes.data`, read once by the
+    caller): a decode step makes about 200 of these calls, so each does only the call."""
     rows, in_features = x.shape
     library = _library()
     scratch = _scratch(in_features)

@@ -2,7 +2,7 @@
 the blocks the reference implementation (PyPI dflash, golden values made by
 tests/fixtures/dflash/make_golden.py) proposed; speculative output equals plain decoding
 (greedy oracle at k 1, 2, 4, 7, k capped by the block size; sampled output keeps the target's
-law; both for DFlash and DFlash 2); drafters it cannot run are refused naming why."""
+law; for DFlash, DFlash 2 and DSpark); drafters it cannot run are refused naming why."""
 
 from __future__ import annotations
 
@@ -27,7 +27,15 @@ from tests.marks import heavy  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dflash"
 GOLDEN = json.loads((FIX / "golden.json").read_text())
-DRAFTERS = ("drafter", "drafter2")  # DFlash and DFlash 2 (its own tests: test_dflash2.py)
+# the block drafters the oracle tests run: DFlash, DFlash 2 (its own tests: test_dflash2.py)
+# and DSpark (tests/test_dspark.py)
+BLOCK_DRAFTERS = {"dflash": FIX / "drafter", "dflash2": FIX / "drafter2",
+                  "dspark": FIX.parent / "dspark" / "drafter"}
+
+
+def block_drafter(target, name):
+    kind = "dspark" if name == "dspark" else "dflash"
+    return build_drafter(kind, target, backend=TorchBackend(), head=str(BLOCK_DRAFTERS[name]))
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +85,22 @@ def test_after_a_reused_prompt_prefix_the_cache_keeps_the_context_it_read_and_no
     assert len(drafter.propose([*prompt, 7], 3).tokens) == 3
     assert all(key.shape[1] == len(prompt) - reused for key, _ in drafter._cache)
 
-@pytest.mark.parametrize("folder", DRAFTERS)
+@pytest.mark.parametrize("name", BLOCK_DRAFTERS)
 @pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
-def test_greedy_dflash_gives_exactly_the_oracles_tokens(target, k, folder):
+def test_greedy_block_drafters_give_exactly_the_oracles_tokens(target, k, name):
     prompt = GOLDEN["prompt"]
     plain = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30)))[-1]
-    drafter = load_dflash_drafter(target, str(FIX / folder))
+    drafter = block_drafter(target, name)
     done = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30),
                                             drafter=drafter, k=k))[-1]
     assert done.token_ids == plain.token_ids
-    assert 0 < done.stats.drafted <= min(k, 3) * done.stats.target_forwards  # block 4: k <= 3
+    # block 4: DFlash drafts k <= 3, DSpark (row j: anchor + j + 1) k <= 4
+    assert 0 < done.stats.drafted <= min(k, drafter.max_drafts) * done.stats.target_forwards
 
 
 @pytest.mark.heavy  # 500 sampled generations
-@pytest.mark.parametrize("folder", DRAFTERS)
-def test_sampled_dflash_commits_tokens_from_the_targets_own_distribution(folder):
+@pytest.mark.parametrize("name", BLOCK_DRAFTERS)
+def test_sampled_block_drafters_commit_tokens_from_the_targets_own_distribution(name):
     target = TorchBackend().load(str(FIX / "target"), device="cpu", dtype="float32")
     target.eos_token_ids = frozenset()  # every generation runs to its length
     params = SamplingParams(temperature=1.0)
@@ -105,7 +114,7 @@ def test_sampled_dflash_commits_tokens_from_the_targets_own_distribution(folder)
         session.rewind(len(prompt))
     engine, n = SpecEngine(target), 500
     counts = np.zeros(target.vocab_size)
-    drafter = load_dflash_drafter(target, str(FIX / folder))  # begin() resets it per call
+    drafter = block_drafter(target, name)  # begin() resets it per call
     for seed in range(n):
         done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
                                                            seed=seed), drafter=drafter, k=2))[-1]

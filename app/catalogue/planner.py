@@ -52,6 +52,7 @@ from app.catalogue.registry import (
 from app.core.protocols import Runs
 from app.core.types import SpecdeckError
 from app.drafters.kinds import chains_only, check
+from app.drafters.native import mtp_layers
 
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
@@ -460,8 +461,7 @@ def arch_from_config(config: dict[str, Any]) -> Arch:
                 head_dim=int(c.get("head_dim") or hidden // heads),
                 vocab=int(c["vocab_size"]),
                 context=int(c.get("max_position_embeddings") or 4096),
-                mtp_layers=int(c.get("num_nextn_predict_layers")
-                               or c.get("mtp_num_hidden_layers") or 0))
+                mtp_layers=mtp_layers(config))
 
 
 def _local_numbers(path: Path) -> tuple[Arch, int]:

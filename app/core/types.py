@@ -75,6 +75,9 @@ class Draft:
     # the catch-up was this reply's prompt, read on first drafting: paid once a reply however
     # drafting goes, so not charged to that check either
     reads_prompt: bool = False
+    # per node, the drafter's own estimate that it and every node before it are accepted
+    # (DSpark's confidence head); empty where the drafter has none
+    survival: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parents is not None and (
@@ -125,8 +128,10 @@ class Draft:
         parents = self.parent_list()
         probs = None if self.probs is None else self.probs[keep]
         new_parents = tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in keep)
+        survival = tuple(self.survival[i] for i in keep) if self.survival else ()
         return replace(self, tokens=tuple(self.tokens[i] for i in keep), probs=probs,
-                       parents=None if self.parents is None else new_parents)
+                       parents=None if self.parents is None else new_parents,
+                       survival=survival)
 
 
 def tree_parents(parents: Sequence[int] | None, n: int) -> tuple[int, ...] | None:

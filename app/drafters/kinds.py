@@ -78,6 +78,8 @@ TABLE = (
          trees=ALWAYS, downloads=True),
     Kind("dflash", HEAD, "a DFlash (or DFlash 2) block drafter on the target's hidden states",
          downloads=True),
+    Kind("dspark", HEAD, "a DSpark block drafter (Markov and confidence heads) on the target's "
+         "hidden states", downloads=True),
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
          trees=ALWAYS),
 )

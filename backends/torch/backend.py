@@ -273,11 +273,15 @@ class TorchBackend:
     def _head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool) -> Any:
         """A head drafter from its folder, checked against the target: an EAGLE-3 ("eagle3")
         or EAGLE-1/2 ("eagle") head (tree=True drafts EAGLE-2 dynamic trees), Medusa heads
-        ("medusa") or a DFlash block drafter ("dflash")."""
+        ("medusa"), a DFlash ("dflash") or DSpark ("dspark") block drafter."""
         if kind == "dflash":
             from backends.torch.heads.dflash import load_dflash_drafter
 
             return load_dflash_drafter(target, path)
+        if kind == "dspark":
+            from backends.torch.heads.dspark import load_dspark_drafter
+
+            return load_dspark_drafter(target, path)
         if kind == "medusa":
             from backends.torch.heads.medusa import load_medusa_drafter
 

@@ -165,21 +165,35 @@ class DFlashDrafter:
         self._params, self._rng = params, rng if rng is not None else np.random.default_rng()
         self.accept(feed)
 
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one block gives: its rows after the pending token's."""
+        return self.block_size - 1
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        k = min(k, self.block_size - 1)
+        k = min(k, self.max_drafts)
         if k < 1 or not self._pending:
             return Draft()
         start = self._pending[0].start
         features = torch.cat([self._features(feed) for feed in self._pending])
-        ids = torch.tensor([int(context[-1]), *[self.mask_token_id] * k],
+        ids = torch.tensor([int(context[-1]), *[self.mask_token_id] * (self._rows(k) - 1)],
                            device=self.embed.weight.device)
         with torch.inference_mode():
             block = self.embed(ids) * self.embed_scale
             out, kv = self.model(features.to(block.dtype), block, start, self._cache)
-            tokens, probs = self._choose(out[1:], int(context[-1]))
+            draft = self._draft(out, int(context[-1]), k)
         block_rows = len(ids)  # the cache keeps the context's keys, never the block's
         self._cache = [(key[:, :-block_rows], value[:, :-block_rows]) for key, value in kv]
         self._pending = []
+        return draft
+
+    def _rows(self, k: int) -> int:
+        """The block's rows for k drafts: the pending token's and k masks."""
+        return k + 1
+
+    def _draft(self, out: torch.Tensor, anchor: int, k: int) -> Draft:
+        """The drafts of the block's output rows (the pending token's row is no draft)."""
+        tokens, probs = self._choose(out[1:], anchor)
         return Draft(tokens=tokens, probs=probs, source=self.name)
 
     def accept(self, feed: StepFeed) -> None:
@@ -226,7 +240,7 @@ def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
     layer_ids = list(value("target_layer_ids") or default_layer_ids(
         n_target, config.num_hidden_layers))
     mask = value("mask_token_id")
-    _check(folder, target, config, layer_ids, mask)
+    check_fit(folder, target, config, layer_ids, mask)
     model = DFlashModel(config, len(layer_ids))
     if version2:
         add_dflash2(model, config.vocab_size, config.hidden_size,
@@ -237,14 +251,20 @@ def load_dflash_drafter(target: Any, path: str) -> DFlashDrafter:
                          float(value("input_embedding_scale", 1.0)))
 
 
-def _load_weights(folder: Path, model: DFlashModel, version2: bool) -> None:
+def read_state(folder: Path) -> tuple[list[Path], dict[str, torch.Tensor]]:
+    """The folder's safetensors files and their tensors under this module's names."""
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    renamed = dflash2_names({_our_name(k): v for k, v in state.items()})
+    return files, {_our_name(k): v for k, v in state.items()}
+
+
+def _load_weights(folder: Path, model: DFlashModel, version2: bool) -> None:
+    files, state = read_state(folder)
+    renamed = dflash2_names(state)
     missing, unexpected = model.load_state_dict(renamed, strict=False)
     missing = [m for m in missing if not m.startswith("rotary.")]
     if version2 and missing and files:
@@ -278,11 +298,13 @@ def _dflash2_shape(folder: Path, target: Any, config: Qwen3Config, value: Any
     return shape
 
 
-def _check(folder: Path, target: Any, config: Qwen3Config, layer_ids: list[int],
-           mask: Any) -> None:
+def check_fit(folder: Path, target: Any, config: Qwen3Config, layer_ids: list[int],
+              mask: Any) -> None:
+    """SpecdeckError unless a block drafter's hidden size, mask token and target layers fit
+    the target."""
     hidden = int(target.hf.config.get_text_config().hidden_size)
     if config.hidden_size != hidden:
-        raise SpecdeckError(f"{folder}: this DFlash drafter has hidden size "
+        raise SpecdeckError(f"{folder}: this block drafter has hidden size "
                             f"{config.hidden_size}, the target {hidden}: it was trained for "
                             "another target")
     if mask is None or not 0 <= int(mask) < target.vocab_size:

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from app.core.protocols import StepFeed
 from app.core.types import Draft, SamplingParams, SpecdeckError
+from app.drafters.native import dspark_stages_refusal, has_dspark_stages, mtp_layers
 
 _FUSE = {"deepseek": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
          "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")}
@@ -46,9 +47,10 @@ class MtpLayout:
 
 
 def detect_mtp(config: dict[str, Any], keys: Sequence[str]) -> MtpLayout | None:
-    """The MTP layout a config and its tensor names declare, or None."""
+    """The MTP layout a config and its tensor names declare, or None (DeepSeek-V4's DSpark
+    stages, also under `mtp.*`, are no MTP layers)."""
     text = config.get("text_config") or config
-    count = int(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0)
+    count = mtp_layers(config)
     if count < 1:
         return None
     names = set(keys)
@@ -180,7 +182,9 @@ def load_mtp_drafter(target: Any) -> MtpDrafter:
     """The drafter over the MTP layers of `target`'s own checkpoint; SpecdeckError naming why
     when it has none or cannot be rewound."""
     folder = getattr(target, "source", None)
-    layout = read_layout(folder)[1] if folder is not None else None
+    config, layout, _ = read_layout(folder) if folder is not None else ({}, None, [])
+    if has_dspark_stages(config):
+        raise SpecdeckError(dspark_stages_refusal(target.name, config))
     if layout is None:
         raise SpecdeckError(f"{target.name} has no native MTP layers (its config names no "
                             "num_nextn_predict_layers with MTP tensors): pick another drafter, "

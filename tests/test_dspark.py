@@ -1,0 +1,176 @@
+"""DSpark block drafters: a tiny random drafter in DeepSpec's layout proposes, round by round,
+the blocks and confidences DeepSpec's own decoding loop proposed (golden values made by
+tests/fixtures/dspark/make_golden.py), with its confidence cut-off too; speculators' DSpark
+format loads the same drafter; the cut-off changes which tokens are verified, never the output;
+checkpoints it cannot run are refused naming why, and a DeepSeek-V4 checkpoint's DSpark stages
+are never taken for MTP layers. (Greedy oracle and sampled law: tests/test_dflash.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from app.catalogue.planner import arch_from_config  # noqa: E402
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
+from app.drafters import build_drafter  # noqa: E402
+from app.drafters.kinds import check  # noqa: E402
+from backends.mlx import RUNS as MLX_RUNS  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
+from backends.torch.heads.dspark import load_dspark_drafter  # noqa: E402
+from backends.torch.heads.mtp import detect_mtp  # noqa: E402
+
+FIX = Path(__file__).parent / "fixtures" / "dspark"
+TARGET = Path(__file__).parent / "fixtures" / "dflash" / "target"
+GOLDEN = json.loads((FIX / "golden.json").read_text())
+RUNS = {run["threshold"]: run for run in GOLDEN["runs"]}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TorchBackend().load(str(TARGET), device="cpu", dtype="float32")
+
+
+class Recording:
+    """The drafter, with every proposed draft kept."""
+
+    def __init__(self, inner):
+        self.inner, self.drafts = inner, []
+        self.name, self.capture_layers = inner.name, inner.capture_layers
+
+    def begin(self, *args):
+        self.inner.begin(*args)
+
+    def propose(self, context, k):
+        draft = self.inner.propose(context, k)
+        self.drafts.append(draft)
+        return draft
+
+    def accept(self, feed):
+        self.inner.accept(feed)
+
+
+def generate(target, drafter, k=4, max_new_tokens=24):
+    return list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
+        max_new_tokens=max_new_tokens), drafter=drafter, k=k))
+
+
+@pytest.mark.parametrize("threshold", sorted(RUNS))
+def test_each_round_drafts_the_tokens_deepspec_drafted(target, threshold):
+    golden = RUNS[threshold]
+    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter"), threshold))
+    events = generate(target, drafter)
+    assert list(GOLDEN["prompt"]) + list(events[-1].token_ids) == golden["output_ids"]
+    steps = [e for e in events if isinstance(e, Step)][1:]  # after the prefill's token
+    rounds = len(golden["rounds"]) - 1  # the last round's k is capped by the tokens left
+    assert [len(s.tokens) for s in steps][:rounds] == golden["acceptance_lengths"][:rounds]
+    assert [list(d.tokens) for d in drafter.drafts][:rounds] == \
+        [r["proposed"] for r in golden["rounds"]][:rounds]
+
+
+def test_the_draft_carries_the_confidence_heads_prefix_survival(target):
+    golden = RUNS[0.0]["rounds"]
+    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter")))
+    generate(target, drafter)
+    for draft, round_ in zip(drafter.drafts[:len(golden) - 1], golden):
+        assert draft.survival == pytest.approx(np.cumprod(round_["confidence"]), rel=1e-4)
+
+
+def test_the_speculators_format_loads_the_same_drafter(target, tmp_path):
+    folder = tmp_path / "speculators"
+    shutil.copytree(FIX / "drafter", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    layer = {k: v for k, v in raw.items() if k not in (
+        "architectures", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
+        "markov_rank", "markov_head_type", "enable_confidence_head",
+        "confidence_head_with_markov", "num_target_layers")}
+    (folder / "config.json").write_text(json.dumps({
+        "speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+        "transformer_layer_config": layer, "block_size": raw["block_size"],
+        "mask_token_id": raw["mask_token_id"], "markov_rank": raw["markov_rank"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in raw["target_layer_ids"]],
+        "draft_vocab_size": raw["vocab_size"]}))  # sample_from_anchor absent: True
+    drafter = Recording(load_dspark_drafter(target, str(folder)))
+    generate(target, drafter)
+    golden = RUNS[0.0]["rounds"]
+    assert [list(d.tokens) for d in drafter.drafts][:len(golden) - 1] == \
+        [r["proposed"] for r in golden][:len(golden) - 1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_the_confidence_cut_off_changes_which_tokens_are_verified_never_the_output(target, k):
+    outputs, drafted = [], []
+    for threshold in (0.0, 0.5, 0.9):
+        drafter = load_dspark_drafter(target, str(FIX / "drafter"), threshold)
+        done = generate(target, drafter, k=k, max_new_tokens=30)[-1]
+        outputs.append(done.token_ids)
+        drafted.append(done.stats.drafted)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert drafted[0] > drafted[1] > drafted[2]
+
+
+def test_dspark_runs_through_the_factory_and_mlx_refuses_it_with_the_reason(target):
+    drafter = build_drafter("dspark", target, backend=TorchBackend(),
+                            head=str(FIX / "drafter"))
+    assert drafter.name == "dspark" and drafter.max_drafts == 4  # row j: anchor + j + 1
+    refusal = check("dspark", MLX_RUNS, has_head=True)
+    assert refusal is not None and "runs on the torch backend only" in refusal.message
+
+
+def test_a_folder_missing_a_tensor_is_refused_naming_it(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(FIX / "drafter", folder)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["markov_head.markov_w2.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(SpecdeckError, match=r"missing tensors \['markov_head.markov_w2.weight'"):
+        load_dspark_drafter(target, str(folder))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not supported"),
+    ({"markov_head_type": "rnn"}, "markov_head_type 'rnn' is not supported"),
+    ({"target_layer_ids": [-1, 2]}, "include the embedding output"),
+    ({"target_layer_ids": [0, 9]}, r"target_layer_ids \[9\] are outside"),
+    ({"mask_token_id": None}, "lacks mask_token_id"),
+])
+def test_a_dspark_config_it_cannot_run_is_refused_naming_why(target, tmp_path, change, message):
+    folder = tmp_path / "changed"
+    shutil.copytree(FIX / "drafter", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(change)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items()
+                                                    if v is not None}))
+    with pytest.raises(SpecdeckError, match=message):
+        load_dspark_drafter(target, str(folder))
+
+
+def v4_config():
+    """A DeepSeek-V4-style config whose DSpark stages sit under mtp.* (tiny numbers)."""
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+            "vocab_size": 48, "num_nextn_predict_layers": 3, "dspark_block_size": 3,
+            "dspark_markov_rank": 8, "dspark_target_layer_ids": [1, 2, 3],
+            "dspark_noise_token_id": 47, "hc_mult": 4, "n_routed_experts": 4}
+
+
+def test_a_deepseek_v4_checkpoints_dspark_stages_are_refused_and_never_taken_for_mtp(
+        target, tmp_path):
+    keys = ["mtp.0.main_proj.weight", "mtp.0.attn.wq_a.weight", "mtp.2.markov_head.markov_w1",
+            "mtp.2.hc_head_fn"]
+    assert detect_mtp(v4_config(), keys) is None
+    assert arch_from_config(v4_config()).mtp_layers == 0
+    folder = tmp_path / "v4"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(v4_config()))
+    with pytest.raises(SpecdeckError, match="DeepSeek-V4 DSpark stages .*MoE experts and "
+                                            "hyper-connections"):
+        load_dspark_drafter(target, str(folder))

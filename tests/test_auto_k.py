@@ -85,3 +85,34 @@ def test_a_single_drafter_is_its_own_only_member():
     auto = AutoK(drafter, controllers(1))
     assert auto.propose([1, 2, 3], cap=2).tokens == (0,), "an unmeasured drafter drafts 1"
     assert auto.propose([1, 2, 3], cap=0) == Draft(), "no drafting past the token limit"
+
+
+class Confident(Scripted):
+    """A drafter whose drafts carry its own survival estimates, as DSpark's do."""
+
+    def __init__(self, survival: tuple[float, ...]) -> None:
+        super().__init__("dspark")
+        self.survival = survival
+
+    def propose(self, context, k: int) -> Draft:
+        draft = super().propose(context, k)
+        return Draft(draft.tokens, source=self.name, survival=self.survival[:len(draft.tokens)])
+
+
+def test_the_controller_cuts_a_draft_where_its_survival_stops_paying_for_the_verify():
+    controller = KController(k_max=4)
+    controller.seed_costs({1: 0.10, 2: 0.10, 3: 0.11, 4: 0.12, 5: 0.13})
+    survival = (0.9, 0.5, 0.1, 0.01)  # rates 19.0, 21.8, 20.8, 19.3 tokens/s: two drafts
+    assert controller.cut(survival) == 2
+    assert KController(k_max=4, verify_s=dict(FLAT)).cut(survival) == 4, \
+        "verifying more rows costs nothing: every node with any chance is kept"
+
+
+def test_auto_k_verifies_only_the_prefix_the_drafters_own_survival_pays_for():
+    drafter = Confident((0.9, 0.5, 0.1, 0.01))
+    controller = KController(k_max=4, prior_acceptance=0.9)
+    controller.seed_costs({1: 0.10, 2: 0.10, 3: 0.11, 4: 0.12, 5: 0.13})
+    controller.draft_costs["dspark"] = 0.001  # measured: cheap, so the controller asks for 4
+    draft = AutoK(drafter, [controller]).propose([1, 2, 3], cap=100)
+    assert drafter.calls == [4]
+    assert draft.tokens == (0, 1) and draft.survival == (0.9, 0.5)

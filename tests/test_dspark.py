@@ -174,3 +174,13 @@ def test_a_deepseek_v4_checkpoints_dspark_stages_are_refused_and_never_taken_for
     with pytest.raises(SpecdeckError, match="DeepSeek-V4 DSpark stages .*MoE experts and "
                                             "hyper-connections"):
         load_dspark_drafter(target, str(folder))
+
+
+@pytest.mark.heavy  # k="auto" probes the verify costs first
+def test_with_k_auto_the_survival_cut_keeps_the_plain_output(target):
+    plain = list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
+        max_new_tokens=30)))[-1]
+    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter")))
+    done = generate(target, drafter, k="auto", max_new_tokens=30)[-1]
+    assert done.token_ids == plain.token_ids
+    assert all(d.survival for d in drafter.drafts if d.tokens)

@@ -37,7 +37,7 @@ RAN = {
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
            "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
-TORCH_ONLY_ON_MLX = ("mtp", "medusa", "dflash")
+TORCH_ONLY_ON_MLX = ("mtp", "medusa", "dflash", "dspark")
 
 
 def target_on(backend: str) -> FakeModel:
@@ -65,7 +65,7 @@ def test_every_kind_has_one_record():
 
 def test_the_old_kind_sets_are_read_from_the_table():
     assert drafters.NEEDS_DRAFT_MODEL == {"draft", "chain"}
-    assert drafters.HEADS == {"medusa", "dflash", "eagle3", "eagle", "lookup+eagle3",
+    assert drafters.HEADS == {"medusa", "dflash", "dspark", "eagle3", "eagle", "lookup+eagle3",
                               "lookup+eagle"}
     assert set(drafters.TREES) == {"eagle3", "eagle"}
     assert drafters.OWN_MODEL == drafters.HEADS | drafters.NEEDS_DRAFT_MODEL

@@ -27,7 +27,7 @@ doubles (up to `max_explore_gap`) while the re-timing agrees with the estimate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -178,6 +178,16 @@ class KController:
         if self._steps_on % self.explore_every == 0:
             return min(best + 1, self.k_max)
         return best
+
+    def cut(self, survival: Sequence[float]) -> int:
+        """How much of a drafted chain to verify, given the drafter's own per-node estimate
+        that the node and every one before it are accepted (DSpark's confidence head): the
+        prefix with the most expected tokens per second of verify, its drafting already paid.
+        It reads only the draft, never the target, so verification stays exact."""
+        def rate(n: int) -> float:
+            return (1.0 + sum(survival[:n])) / (self.verify_cost(self.rows(n)) + self.overhead_s)
+
+        return max(range(1, len(survival) + 1), key=rate, default=0)
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str = "", rows: int | None = None,

@@ -12,7 +12,9 @@ k; the model member is asked only when no lookup drafted, by its controller. A l
 so scans the context twice (0.36 / 0.44 / 1.15 ms a scan at 200 / 1000 / 4000 tokens, 2-core
 Zen 3): the price of not letting a lookup with nothing to say count as its controller's step.
 A controller observes only the steps it chose for: the ones it drafted, and plain steps after
-it said 0 (so its one-row cost stays its own).
+it said 0 (so its one-row cost stays its own). A draft that carries the drafter's own survival
+estimates (DSpark's confidence head) is cut by its controller where the expected gain per
+second of verify ends (KController.cut).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class AutoK:
             if k <= 0:
                 continue
             draft = member.propose(context, k).within(k)
+            if draft.survival:  # the drafter's own estimates say where the gain ends
+                draft = draft.within(controller.cut(draft.survival))
             if draft.tokens:
                 self._drafting = controller
                 return draft if draft.source else replace(draft, source=member.name)

@@ -135,6 +135,15 @@ def test_a_folder_missing_a_tensor_is_refused_naming_it(target, tmp_path):
         load_dspark_drafter(target, str(folder))
 
 
+def test_a_folder_whose_markov_rank_differs_from_its_tensors_is_refused(target, tmp_path):
+    folder = tmp_path / "rank"
+    shutil.copytree(FIX / "drafter", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "markov_rank": 4}))
+    with pytest.raises(SpecdeckError, match="its tensors do not match its config: size mismatch"):
+        load_dspark_drafter(target, str(folder))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not supported"),
     ({"markov_head_type": "rnn"}, "markov_head_type 'rnn' is not supported"),

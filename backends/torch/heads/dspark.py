@@ -192,6 +192,11 @@ def _speculators(folder: Path, raw: Mapping[str, Any]) -> tuple[Qwen3Config, DSp
         raise SpecdeckError(f"{folder}: this speculators DSpark config lacks "
                             "transformer_layer_config, aux_hidden_state_layer_ids or "
                             "mask_token_id")
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and int(draft_vocab) < int(layers.get("vocab_size") or 0):
+        raise SpecdeckError(f"{folder}: this DSpark drafter drafts over a reduced vocabulary "
+                            f"({draft_vocab} of {layers['vocab_size']} tokens, d2t), which is "
+                            "not supported yet")
     # speculators count the embedding output as hidden state 0: layer i's output is i + 1
     ids = [int(i) - 1 for i in aux]
     settings = {"markov_rank": 256, "markov_head_type": "vanilla",
@@ -225,7 +230,11 @@ def _shape(folder: Path, raw: Mapping[str, Any], ids: list[int], from_anchor: bo
 def _load_weights(folder: Path, model: DSparkModel) -> None:
     files, state = read_state(folder)
     state = {k: v for k, v in state.items() if k not in SHARED and k not in ("d2t", "t2d")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a tensor of another shape than the config describes
+        raise SpecdeckError(f"{folder}: its tensors do not match its config: "
+                            f"{str(error).splitlines()[-1].strip()}") from error
     missing = [m for m in missing if not m.startswith("rotary.")]
     if not files:
         raise SpecdeckError(f"{folder} holds no safetensors: a DSpark drafter needs its "

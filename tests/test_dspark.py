@@ -193,3 +193,18 @@ def test_with_k_auto_the_survival_cut_keeps_the_plain_output(target):
     done = generate(target, drafter, k="auto", max_new_tokens=30)[-1]
     assert done.token_ids == plain.token_ids
     assert all(d.survival for d in drafter.drafts if d.tokens)
+
+
+def test_asking_a_deepseek_v4_target_for_mtp_names_its_dspark_stages(tmp_path):
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from backends.torch.heads.mtp import load_mtp_drafter
+
+    (tmp_path / "config.json").write_text(json.dumps(v4_config()))
+    save_file({"mtp.0.main_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    target = SimpleNamespace(source=tmp_path, name="deepseek-v4-tiny")
+    with pytest.raises(SpecdeckError, match="deepseek-v4-tiny carries DeepSeek-V4 DSpark stages "
+                                            r"\(3 stages under mtp\.\*, block 3\), not MTP"):
+        load_mtp_drafter(target)

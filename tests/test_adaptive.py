@@ -299,3 +299,26 @@ def test_a_new_generation_weighs_the_last_texts_acceptance_half():
     feed(controller, 10, n_drafted=2, n_accepted=0, draft_s=0.0)
     # 20 steps that accepted both, kept as 10, against 10 that accepted none
     assert abs(controller.acceptance()[0] - 0.5) < 1e-6
+
+
+def test_a_prompt_read_that_drafting_cannot_repay_within_the_budget_is_not_paid():
+    # plain 0.10 s a token; k=1 at 7/11 acceptance: 1.64 tokens in 0.11 + 0.04 s, 0.0917 s
+    # a token, 0.0083 s saved a token; reads measured at 2 ms a row
+    controller = KController(k_max=1, prior_weight=1e-9, decay=1.0)
+    controller.seed_costs({1: 0.10, 2: 0.11})
+    assert controller.read_pays(800, 127)  # reads not priced yet: the first one measures
+    feed(controller, 6, n_drafted=1, n_accepted=1, draft_s=0.04)
+    feed(controller, 4, n_drafted=1, n_accepted=0, draft_s=0.04)
+    controller.observe(1, 1, 0.04, 0.11, 0.0, source="draft", catch_up_s=0.2,
+                       catch_up_rows=100, reads_prompt=True)
+    assert controller.read_rows == 100
+    assert not controller.read_pays(800, 127)  # 1.6 s to read, 1.06 s to save: no
+    assert controller.read_pays(800, 400) and controller.read_pays(50, 127)
+    assert not controller.read_pays(50, 5)
+
+
+def test_one_row_never_costs_more_than_the_cheapest_forward_measured():
+    controller = KController(k_max=2)
+    controller.seed_costs({1: 0.050, 2: 0.045, 3: 0.047})  # the one-row average ran high
+    assert controller.verify_cost(1) == 0.045
+    assert controller.verify_cost(2) == 0.045 and controller.verify_cost(3) == 0.047

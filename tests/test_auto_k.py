@@ -85,3 +85,29 @@ def test_a_single_drafter_is_its_own_only_member():
     auto = AutoK(drafter, controllers(1))
     assert auto.propose([1, 2, 3], cap=2).tokens == (0,), "an unmeasured drafter drafts 1"
     assert auto.propose([1, 2, 3], cap=0) == Draft(), "no drafting past the token limit"
+
+
+class Reading(Scripted):
+    """A model member with `unread` prompt rows to read before its first draft."""
+
+    def __init__(self, name: str, unread: int) -> None:
+        super().__init__(name)
+        self.unread = unread
+
+    def unread_prompt_rows(self, context) -> int:
+        return self.unread
+
+
+def test_a_model_whose_prompt_read_cannot_be_repaid_leaves_the_step_plain():
+    model = Reading("draft", unread=800)
+    controller = KController(k_max=4)
+    controller.seed_costs(FLAT)
+    controller.observe(1, 1, 0.05, 0.10, 0.0, source="draft", catch_up_s=0.4,
+                       catch_up_rows=200)  # 2 ms a row: 1.6 s for 800 rows
+    auto = AutoK(model, [controller])
+    assert controller.choose() > 0  # it would draft, were the prompt read
+    assert auto.propose([1, 2, 3], cap=10).tokens == () and auto.off
+    assert model.calls == []  # nothing asked of the model: its prompt stays unread
+    assert auto.propose([1, 2, 3], cap=2000).tokens  # a long budget repays the read
+    model.unread = 0
+    assert auto.propose([1, 2, 3], cap=10).tokens  # read already: it drafts

@@ -62,6 +62,10 @@ class KController:
     # depth -> verify rows beyond a chain's depth + 1 (EMA): a tree drafter's steps priced
     # at k + 1 rows looked cheap and kept EAGLE-2 trees on at 0.6-0.7x plain (measured)
     extra_rows: dict[int, float] = field(default_factory=dict)
+    # context rows read before drafting (a draft model's prompt, or what it missed while off)
+    # and their seconds: read_pays prices a prompt read with them
+    read_rows: int = 0
+    read_s: float = 0.0
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
@@ -130,7 +134,14 @@ class KController:
         return max([k + 1, *shallower])
 
     def verify_cost(self, rows: float) -> float:
-        """Measured cost of a forward over `rows` tokens, interpolated between known sizes."""
+        """Measured cost of a forward over `rows` tokens, interpolated between known sizes.
+
+        One row is the least work of any forward, so its cost is capped by the cheapest
+        forward measured: one slow plain step (79 ms among 39-45 ms ones) had raised it above
+        the two-row cost and kept the default pair's chain drafting at a loss.
+        """
+        if rows <= 1 and self.verify_s:
+            return min(self.verify_s.values())
         if rows in self.verify_s:
             return self.verify_s[rows]
         known = sorted(self.verify_s)
@@ -148,6 +159,21 @@ class KController:
             slope = ((self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)) if prev else 0.0
             return self.verify_s[lo] + max(slope, 0.0) * (rows - lo)
         return self.verify_s[above[0]]
+
+    def read_pays(self, rows: int, horizon: int) -> bool:
+        """Whether reading `rows` of context before the next draft (a draft model's prompt)
+        can be repaid within `horizon` more tokens: what the best k saves per committed token
+        over plain, times horizon, against the read's cost at the rows' measured price.
+
+        True while drafting or reading is unpriced (the first read measures both). A 0.5B
+        draft reading a 512-token window took 1.3 s of a rag reply's 8, to draft a dozen tokens.
+        """
+        if rows <= 0 or self.draft_token_s is None or not self.read_rows:
+            return True
+        plain = self.step_seconds(0)
+        per_token = min(self.step_seconds(k) / self.expected_tokens(k)
+                        for k in range(1, self.k_max + 1)) if self.k_max else plain
+        return (plain - per_token) * horizon > rows * self.read_s / self.read_rows
 
     def choose(self) -> int:
         """The k with the most expected tokens per second; 0 when speculation does not pay."""
@@ -181,17 +207,25 @@ class KController:
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str = "", rows: int | None = None,
-                catch_up_s: float = 0.0) -> None:
+                catch_up_s: float = 0.0, catch_up_rows: int = 0,
+                reads_prompt: bool = False) -> None:
         """Fold one step's outcome and timings into the estimates.
 
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
         a tree (n_drafted is then its depth and n_accepted its accepted path), else
-        n_drafted + 1. catch_up_s: what the drafter spent reading context it had missed (the
-        prompt, or the tokens of a plain stretch): charged to the exploration that paid it,
-        never to the per-step overhead, where plain steps carried it too, so drafting looked
-        relatively cheaper.
+        n_drafted + 1. draft_s: drafting time without catch-up. catch_up_s, catch_up_rows:
+        what the drafter spent reading context it had missed (the prompt, or the tokens of a
+        plain stretch), and how many rows: they price later reads (read_pays), and unless it
+        was this reply's prompt (paid once a reply however drafting goes) the time is charged
+        to the exploration that paid it, never to the per-step overhead, where plain steps
+        carried it too, so drafting looked relatively cheaper.
         """
         rows = rows or n_drafted + 1
+        if catch_up_rows:
+            self.read_rows += catch_up_rows
+            self.read_s += catch_up_s
+        if reads_prompt:
+            catch_up_s = 0.0
         # kept as rows beyond depth + 1: a chain's stay exactly 0, so its k is priced at
         # exactly the probed k + 1 rows (an EMA of k + 1 itself may round off them)
         if n_drafted:

@@ -93,18 +93,27 @@ class DraftModelDrafter:
         if k <= 0:
             return Draft()
         feed = self._align(context[self._start:])
-        caught_up = 0.0
+        caught_up, read = 0.0, 0
         # after steps without drafting, read the missed tokens apart from drafting, so their
         # cost is reported as catch-up (a step normally feeds 1-2 tokens: d_k and the bonus)
         if len(feed) > CATCH_UP_ROWS:
             t0 = time.perf_counter()
             self._catch_up(feed[:-1])
-            feed = feed[-1:]
+            read, feed = len(feed) - 1, feed[-1:]
             caught_up = time.perf_counter() - t0
         reads_prompt, self._prompt_unread = self._prompt_unread and caught_up > 0, False
         tokens, probs = self._draft(feed, k)
         return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up,
-                     reads_prompt=reads_prompt)
+                     catch_up_rows=read, reads_prompt=reads_prompt)
+
+    def unread_prompt_rows(self, context: Sequence[int]) -> int:
+        """The prompt rows the next draft reads first (0 once this reply's prompt is read):
+        the k controller weighs them against what drafting can save in the reply's budget."""
+        if not self._prompt_unread:
+            return 0
+        window = context[self._start:]
+        return len(window) - min(common_prefix_length(self._session.tokens, window),
+                                 len(window) - 1)
 
     def _catch_up(self, feed: list[int]) -> None:
         if feed:

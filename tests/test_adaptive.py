@@ -322,3 +322,20 @@ def test_one_row_never_costs_more_than_the_cheapest_forward_measured():
     controller.seed_costs({1: 0.050, 2: 0.045, 3: 0.047})  # the one-row average ran high
     assert controller.verify_cost(1) == 0.045
     assert controller.verify_cost(2) == 0.045 and controller.verify_cost(3) == 0.047
+
+
+def test_an_exploration_reads_only_what_a_text_as_good_as_the_prior_would_repay():
+    # drafting pays nothing by the estimates (every draft rejected); an exploration asks
+    # whether a prior-like text (60% acceptance) would repay the rows it reads first
+    def explorer(draft_s: float) -> KController:
+        controller = KController(k_max=1, prior_weight=1e-9, decay=1.0, explore_every=1)
+        controller.seed_costs({1: 0.10, 2: 0.11})
+        feed(controller, 10, n_drafted=1, n_accepted=0, draft_s=draft_s)
+        controller.observe(1, 0, draft_s, 0.11, 0.0, source="draft", catch_up_s=0.2,
+                           catch_up_rows=100)  # 2 ms a row
+        controller.choose()  # off, and the first step off explores
+        assert controller._exploring
+        return controller
+
+    assert explorer(0.01).read_pays(64, 100)  # a cheap draft: a good text repays 64 rows
+    assert not explorer(0.05).read_pays(64, 100)  # no text at 60% repays this draft at all

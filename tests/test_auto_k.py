@@ -88,13 +88,13 @@ def test_a_single_drafter_is_its_own_only_member():
 
 
 class Reading(Scripted):
-    """A model member with `unread` prompt rows to read before its first draft."""
+    """A model member with `unread` context rows to read before its next draft."""
 
     def __init__(self, name: str, unread: int) -> None:
         super().__init__(name)
         self.unread = unread
 
-    def unread_prompt_rows(self, context) -> int:
+    def unread_rows(self, context) -> int:
         return self.unread
 
 

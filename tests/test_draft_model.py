@@ -76,11 +76,13 @@ def test_the_prompt_is_read_when_the_drafter_first_drafts_not_when_a_reply_begin
     drafter = DraftModelDrafter(target, target)
     drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
     assert drafter._session.length == 0  # a reply that never drafts never pays for it
-    assert drafter.unread_prompt_rows(PROMPT) == len(PROMPT)
+    assert drafter.unread_rows(PROMPT) == len(PROMPT) - 1  # the last row is read drafting
     first = drafter.propose(PROMPT, 2)
     assert first.catch_up_s > 0.0 and first.reads_prompt
-    assert first.catch_up_rows == len(PROMPT) - 1  # the last row is read drafting
-    assert drafter.unread_prompt_rows(PROMPT) == 0
+    assert first.catch_up_rows == len(PROMPT) - 1
+    assert drafter.unread_rows(PROMPT) == 0
+    assert drafter.unread_rows(PROMPT + [3, 4]) == 0  # d_k and a bonus: drafting reads them
+    assert drafter.unread_rows(PROMPT + [3, 4, 5, 6, 7, 8]) == 5
     again = drafter.propose(PROMPT, 2)
     assert again.catch_up_s == 0.0 and not again.reads_prompt
     later = drafter.propose(PROMPT + [3, 4, 5, 6, 7, 8], 2)  # missed tokens, not the prompt

@@ -101,9 +101,10 @@ class KController:
         w, prior = self.prior_weight, self.prior_acceptance
         return [(a + w * prior) / (r + w) for a, r in zip(self._accepted, self._reached)]
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
+        """Tokens a step of depth k commits, by the estimates (or the acceptance given)."""
         total, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in (self.acceptance() if acceptance is None else acceptance)[:k]:
             survive *= a
             total += survive
         return total
@@ -161,19 +162,23 @@ class KController:
         return self.verify_s[above[0]]
 
     def read_pays(self, rows: int, horizon: int) -> bool:
-        """Whether reading `rows` of context before the next draft (a draft model's prompt)
-        can be repaid within `horizon` more tokens: what the best k saves per committed token
-        over plain, times horizon, against the read's cost at the rows' measured price.
+        """Whether reading `rows` of context before the next draft (a draft model's prompt,
+        or what it missed while off) can be repaid within `horizon` more tokens: what the
+        best k saves per committed token over plain, times horizon, against the read's cost
+        at the rows' measured price. An exploration asks it of a text as good as the prior:
+        a catch-up read costs a share of the plain stretch it follows (a 0.5B draft's rows:
+        about 7% of the 1.5B target's steps), so exploring where even a good text could not
+        repay it lost that share of every reply.
 
         True while drafting or reading is unpriced (the first read measures both). A 0.5B
         draft reading a 512-token window took 1.3 s of a rag reply's 8, to draft a dozen tokens.
         """
         if rows <= 0 or self.draft_token_s is None or not self.read_rows:
             return True
-        plain = self.step_seconds(0)
-        per_token = min(self.step_seconds(k) / self.expected_tokens(k)
-                        for k in range(1, self.k_max + 1)) if self.k_max else plain
-        return (plain - per_token) * horizon > rows * self.read_s / self.read_rows
+        acceptance = [self.prior_acceptance] * self.k_max if self._exploring else None
+        per_token = min((self.step_seconds(k) / self.expected_tokens(k, acceptance)
+                         for k in range(1, self.k_max + 1)), default=self.step_seconds(0))
+        return (self.step_seconds(0) - per_token) * horizon > rows * self.read_s / self.read_rows
 
     def choose(self) -> int:
         """The k with the most expected tokens per second; 0 when speculation does not pay."""

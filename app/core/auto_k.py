@@ -2,7 +2,7 @@
 
 Knows: the Drafter protocol, a chain's `members` (cheap lookups first, a model last: see
 app/drafters/chain.py), one KController per member, which member drafts a step, and the
-prompt rows a member reads before its first draft (`unread_prompt_rows`, where it has them).
+context rows a member reads before its next draft (`unread_rows`, where it has them).
 Must not know: verification, models, timing (the engine measures and hands the times in).
 
 Why per member: one controller priced a chain's k with its dearest member, so a head that did
@@ -68,8 +68,8 @@ class AutoK:
             self._asked.append(controller)
             self._said.append(controller.choose())
             k = min(self._said[-1], cap)
-            if k > 0 and not controller.read_pays(_unread_prompt(member, context), cap):
-                self._said[-1] = k = 0  # its prompt read would cost more than it can save
+            if k > 0 and not controller.read_pays(_unread(member, context), cap):
+                self._said[-1] = k = 0  # its read would cost more than drafting can save
             if k <= 0:
                 continue
             draft = member.propose(context, k).within(k)
@@ -92,8 +92,8 @@ class AutoK:
             controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1)
 
 
-def _unread_prompt(member: Drafter, context: Sequence[int]) -> int:
-    """The prompt rows a member reads before its first draft of a reply: a draft model says
-    (`unread_prompt_rows`); drafters that read nothing, or read it for free, do not."""
-    unread = getattr(member, "unread_prompt_rows", None)
+def _unread(member: Drafter, context: Sequence[int]) -> int:
+    """The context rows a member reads before its next draft: a draft model says
+    (`unread_rows`); drafters that read nothing, or read it for free, do not."""
+    unread = getattr(member, "unread_rows", None)
     return unread(context) if unread is not None else 0

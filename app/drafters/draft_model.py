@@ -106,14 +106,16 @@ class DraftModelDrafter:
         return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up,
                      catch_up_rows=read, reads_prompt=reads_prompt)
 
-    def unread_prompt_rows(self, context: Sequence[int]) -> int:
-        """The prompt rows the next draft reads first (0 once this reply's prompt is read):
-        the k controller weighs them against what drafting can save in the reply's budget."""
-        if not self._prompt_unread:
+    def unread_rows(self, context: Sequence[int]) -> int:
+        """The context rows the next draft reads before drafting (this reply's prompt, or
+        what steps without drafting committed; 0 when only the usual 1-2 are new): the k
+        controller weighs them against what drafting can save in the reply's budget."""
+        if self._start >= len(context):
             return 0
-        window = context[self._start:]
-        return len(window) - min(common_prefix_length(self._session.tokens, window),
-                                 len(window) - 1)
+        feed = len(context) - self._start - min(
+            common_prefix_length(self._session.tokens, context[self._start:]),
+            len(context) - self._start - 1)
+        return feed - 1 if feed > CATCH_UP_ROWS else 0
 
     def _catch_up(self, feed: list[int]) -> None:
         if feed:

@@ -339,3 +339,13 @@ def test_an_exploration_reads_only_what_a_text_as_good_as_the_prior_would_repay(
 
     assert explorer(0.01).read_pays(64, 100)  # a cheap draft: a good text repays 64 rows
     assert not explorer(0.05).read_pays(64, 100)  # no text at 60% repays this draft at all
+
+
+def test_a_slow_step_moves_a_forwards_cost_less_than_a_fast_one():
+    controller = KController(k_max=1)
+    controller.seed_costs({1: 0.040, 2: 0.045})
+    controller.observe(0, 0, 0.0, 0.080, 0.0)  # another process slowed one plain step
+    slowed = controller.verify_s[1]
+    assert 0.040 < slowed < 0.040 + 0.1 * 0.040
+    controller.observe(0, 0, 0.0, 0.040, 0.0)
+    assert controller.verify_s[1] - 0.040 < (slowed - 0.040) / 2  # back down quickly

@@ -1,9 +1,9 @@
 """Choose the drafter for a target, and size what fits in memory (servable context, streams).
 
-Knows: the preference order (`PREFERENCE`: the target's own MTP layers, then a drafter
-shipped for it: DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft model, then the
-drafters that need no model: lookup or lookahead by device), weights and KV-cache
-arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
+Knows: the preference order (`PREFERENCE`, one `Rank` a kind: the target's own MTP layers,
+then a drafter shipped for it: DSpark, DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft
+model, then the drafters that need no model: lookup or lookahead by device), weights, KV-cache
+and verify-state arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
 and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
 Metal working set). Must not know: downloads, array libraries (app/ never imports torch),
 whether a kind runs on a backend (app/drafters/kinds.py's check says, as it does for every
@@ -14,13 +14,16 @@ API:
     describe(target, catalogue=None) -> TargetInfo   a pair id, catalogue model or hub repo id,
                                                      or a local HF folder or .gguf file
     kv_bytes_per_token(arch, dtype_bytes) -> layers x kv heads x head dim x 2 (K and V) x size
-    fit(target, drafter, memory, context) -> Fit     with and without speculation
+    fit(target, drafter, memory, context) -> Fit     with and without speculation;
+                                                     Fit.rows() labels the drafter's memory
+    verify_state(kind, k, target_arch, drafter_arch, dtype) -> (rows, bytes) per verify step
     pair_fit(pair, backend, device, memory, context) -> Fit
     plan(target, backend, device, memory, context, catalogue, implemented, installed, runs)
         -> Plan
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
-        Plan.passed (usable, but ranked after the choice), Plan.reasons() as lines for a
-        terminal or the UI.
+        Plan.passed (usable, but ranked after the choice), Plan.absent (kinds of the order
+        with no candidate for this target, and why), Plan.reasons() as lines for a terminal
+        or the UI.
 Memory figures leave RESERVE of the memory free for activations and verify buffers, and count
 the runtime itself (RUNTIME_BYTES). On a CPU torch runs a GGUF on the file's own blocks (its
 bytes, a float32 KV cache); other sources in the dtype `dtype_for` names. MLX keeps a 4-bit

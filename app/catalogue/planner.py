@@ -1,13 +1,13 @@
 """Choose the drafter for a target, and size what fits in memory (servable context, streams).
 
 Knows: the preference order (`PREFERENCE`, one `Rank` a kind: the target's own MTP layers,
-then a drafter shipped for it: DSpark, DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft
-model, then the drafters that need no model: lookup or lookahead by device), weights, KV-cache
-and verify-state arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
-and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
-Metal working set). Must not know: downloads, array libraries (app/ never imports torch),
-whether a kind runs on a backend (app/drafters/kinds.py's check says, as it does for every
-surface).
+then a drafter shipped for it: DSpark, DFlash, EAGLE-3, EAGLE, Medusa; then a same-family
+draft model, then the drafters that need no model: lookup or lookahead by device), weights,
+KV-cache and verify-state arithmetic, how to read a model's numbers from the catalogue, a
+config.json or a GGUF header, and how much memory is free (psutil for RAM, nvidia-smi for
+CUDA, about 75% of RAM for MLX's Metal working set). Must not know: downloads, array libraries
+(app/ never imports torch), whether a kind runs on a backend (app/drafters/kinds.py's check
+says, as it does for every surface).
 
 API:
     available_memory(backend, device="auto") -> bytes free for models now

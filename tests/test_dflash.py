@@ -23,8 +23,8 @@ from app.core.feed import StepFeed  # noqa: E402
 from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
+from backends import load_backend  # noqa: E402
 from backends.heads.dflash_format import default_layer_ids  # noqa: E402
-from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.distributions import assert_follows  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 
@@ -38,16 +38,8 @@ MLX = pytest.param("mlx", marks=needs_mlx)
 BACKENDS = ("torch", MLX)
 
 
-def backend_named(name: str):
-    if name == "torch":
-        return TorchBackend()
-    from backends.mlx.backend import MlxBackend
-
-    return MlxBackend()
-
-
 def load_target(name: str):
-    return backend_named(name).load(str(FIX / "target"), device="cpu", dtype="float32")
+    return load_backend(name).load(str(FIX / "target"), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +54,14 @@ def mlx_target():
 
 def each_backend(request):
     """(backend, its target) for each backend; drafters are built with `dflash(on, folder)`."""
-    return backend_named(request.param), load_target(request.param)
+    return load_backend(request.param), load_target(request.param)
 
 
 on = pytest.fixture(scope="module", params=BACKENDS, name="on")(each_backend)
 
 
-def dflash(on, folder: str = "drafter"):
+def dflash(on, folder: str | Path = "drafter"):
+    """The drafter of a fixture folder (or of any folder, given its path) on `on`'s target."""
     backend, target = on
     return backend.make_drafter("dflash", target, head=str(FIX / folder))
 
@@ -113,7 +106,7 @@ def test_mlx_drafts_the_blocks_torch_drafts_and_commits_the_same_tokens(target, 
                                                                        folder):
     runs = {}
     for name, model in (("torch", target), ("mlx", mlx_target)):
-        drafter = Recording(backend_named(name).make_drafter("dflash", model,
+        drafter = Recording(load_backend(name).make_drafter("dflash", model,
                                                              head=str(FIX / folder)))
         done = list(SpecEngine(model).generate(GOLDEN["prompt"], SamplingParams(
             max_new_tokens=20), drafter=drafter, k=3))[-1]
@@ -164,7 +157,7 @@ def test_sampled_dflash_commits_tokens_from_the_targets_own_distribution(folder,
     engine, n = SpecEngine(target), 500
     counts = np.zeros(target.vocab_size)
     # begin() resets it per call
-    drafter = backend_named(backend).make_drafter("dflash", target, head=str(FIX / folder))
+    drafter = load_backend(backend).make_drafter("dflash", target, head=str(FIX / folder))
     for seed in range(n):
         done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
                                                            seed=seed), drafter=drafter, k=2))[-1]
@@ -186,7 +179,7 @@ def test_a_folder_labelled_dflash_2_without_its_config_keys_is_refused_naming_th
     config["architectures"] = ["DFlash2DraftModel"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecdeckError, match="DFlash 2 drafter whose dflash_config lacks"):
-        dflash(on, str(folder))
+        dflash(on, folder)
 
 
 def test_a_drafter_for_another_target_is_refused(on, tmp_path):
@@ -196,7 +189,7 @@ def test_a_drafter_for_another_target_is_refused(on, tmp_path):
     config["dflash_config"]["target_layer_ids"] = [0, 9]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecdeckError, match=r"target_layer_ids \[9\] are outside"):
-        dflash(on, str(folder))
+        dflash(on, folder)
 
 
 def test_the_ui_workbench_runs_a_pair_whose_drafter_is_a_head_folder():

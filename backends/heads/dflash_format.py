@@ -59,7 +59,8 @@ class DFlashSpec:
     embed_scale: float
     version2: DFlash2Config | None
 
-    def size(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Any = None) -> Any:
+        """A key of the stored config."""
         return self.config.get(key, default)
 
     @property
@@ -68,16 +69,16 @@ class DFlashSpec:
 
     @property
     def head_dim(self) -> int:
-        return int(self.size("head_dim") or self.hidden_size // self.size("num_attention_heads"))
+        return int(self.get("head_dim") or self.hidden_size // self.get("num_attention_heads"))
 
     @property
     def rope(self) -> dict[str, Any]:
         """rope_parameters (transformers 5), else the older rope_theta and rope_scaling."""
-        stored = self.size("rope_parameters")
+        stored = self.get("rope_parameters")
         if isinstance(stored, dict) and "rope_theta" in stored:
             return dict(stored)
-        return {**(self.size("rope_scaling") or {}),
-                "rope_theta": float(self.size("rope_theta", 10000.0))}
+        return {**(self.get("rope_scaling") or {}),
+                "rope_theta": float(self.get("rope_theta", 10000.0))}
 
     @property
     def weights(self) -> list[Path]:

@@ -76,17 +76,17 @@ class DFlashLayer(nn.Module):
 
     def __init__(self, spec: DFlashSpec) -> None:
         super().__init__()
-        hidden, eps, dim = spec.hidden_size, float(spec.size("rms_norm_eps", 1e-6)), \
+        hidden, eps, dim = spec.hidden_size, float(spec.get("rms_norm_eps", 1e-6)), \
             spec.head_dim
-        self.heads, self.kv_heads = int(spec.size("num_attention_heads")), \
-            int(spec.size("num_key_value_heads"))
-        self.head_dim, bias = dim, bool(spec.size("attention_bias", False))
+        self.heads, self.kv_heads = int(spec.get("num_attention_heads")), \
+            int(spec.get("num_key_value_heads"))
+        self.head_dim, bias = dim, bool(spec.get("attention_bias", False))
         self.q_proj = nn.Linear(hidden, self.heads * dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * dim, hidden, bias=bias)
         self.q_norm, self.k_norm = RMSNorm(dim, eps), RMSNorm(dim, eps)
-        self.mlp = MLP(hidden, int(spec.size("intermediate_size")))
+        self.mlp = MLP(hidden, int(spec.get("intermediate_size")))
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         if spec.version2:
@@ -139,13 +139,13 @@ class DFlashModel(nn.Module):
 
     def __init__(self, spec: DFlashSpec) -> None:
         super().__init__()
-        hidden, eps = spec.hidden_size, float(spec.size("rms_norm_eps", 1e-6))
-        self.layers = [DFlashLayer(spec) for _ in range(int(spec.size("num_hidden_layers")))]
+        hidden, eps = spec.hidden_size, float(spec.get("rms_norm_eps", 1e-6))
+        self.layers = [DFlashLayer(spec) for _ in range(int(spec.get("num_hidden_layers")))]
         self.fc = nn.Linear(len(spec.layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm, self.norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.rope = _rope(spec)
         if spec.version2:
-            self.candidate_selector = CandidateSelector(int(spec.size("vocab_size")), hidden,
+            self.candidate_selector = CandidateSelector(int(spec.get("vocab_size")), hidden,
                                                         spec.version2)
 
     def __call__(self, features: mx.array, block: mx.array, first_position: int,
@@ -166,8 +166,8 @@ def load_dflash_drafter(target: Any, path: str) -> BlockDrafter:
     spec = read_spec(path, hidden_size=int(final_norm.weight.shape[-1]),
                      vocab_size=target.vocab_size, n_layers=target.n_layers,
                      head_rows=target.vocab_size)
-    if spec.size("hidden_act", "silu") != "silu":
-        raise SpecdeckError(f"{spec.folder} uses {spec.size('hidden_act')!r}; the MLX DFlash "
+    if spec.get("hidden_act", "silu") != "silu":
+        raise SpecdeckError(f"{spec.folder} uses {spec.get('hidden_act')!r}; the MLX DFlash "
                             "drafter runs silu layers: use --backend torch")
     model = DFlashModel(spec)
     _load_weights(spec, model)
@@ -200,7 +200,7 @@ def _rope(spec: DFlashSpec) -> nn.Module:
     scaling = None if rope_type == "default" else rope
     try:
         return initialize_rope(spec.head_dim, rope["rope_theta"], False, scaling,
-                               int(spec.size("max_position_embeddings", 4096)))
+                               int(spec.get("max_position_embeddings", 4096)))
     except (KeyError, ValueError) as error:
         raise SpecdeckError(f"{spec.folder} asks for RoPE {rope_type!r}, which this mlx-lm "
                             f"does not run ({error}): use --backend torch") from error

@@ -81,7 +81,7 @@ def test_the_first_slots_q_is_the_references(on):
     assert np.allclose(q[golden["candidates"]], golden["q"], rtol=1e-4, atol=1e-7)
 
 
-def test_a_dflash_2_folder_missing_a_selector_tensor_is_refused_naming_it(target, tmp_path):
+def test_a_dflash_2_folder_missing_a_selector_tensor_is_refused_naming_it(on, tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "d2"
@@ -91,7 +91,7 @@ def test_a_dflash_2_folder_missing_a_selector_tensor_is_refused_naming_it(target
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(SpecdeckError, match="DFlash 2 drafter without the tensors "
                                             r"\['candidate_selector.successor_codebook'\]"):
-        load_dflash_drafter(target, str(folder))
+        dflash(on, folder)
 
 
 def test_a_dflash_2_config_without_its_selector_keys_is_refused_naming_them(target, tmp_path):
@@ -104,7 +104,7 @@ def test_a_dflash_2_config_without_its_selector_keys_is_refused_naming_them(targ
         load_dflash_drafter(target, str(folder))
 
 
-def test_codebooks_saved_with_weight_suffixes_load_too(target, tmp_path):
+def test_codebooks_saved_with_weight_suffixes_load_too(on, tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "d2"
@@ -112,4 +112,4 @@ def test_codebooks_saved_with_weight_suffixes_load_too(target, tmp_path):
     state = load_file(str(folder / "model.safetensors"))
     state = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"))
-    assert load_dflash_drafter(target, str(folder)).model.candidate_selector is not None
+    assert dflash(on, folder).model.candidate_selector is not None

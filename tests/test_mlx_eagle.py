@@ -390,7 +390,7 @@ def test_an_eagle2_tree_is_refused_on_mlx_naming_the_fix(twins, heads):
         build(target, heads["midlayer"], "midlayer", tree=True)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "medusa", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "medusa"])
 def test_head_kinds_mlx_does_not_run_name_the_torch_backend(twins, heads, kind):
     _, target = twins
     with pytest.raises(SpecdeckError, match="--backend torch"):

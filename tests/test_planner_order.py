@@ -149,13 +149,13 @@ def test_on_mlx_lookahead_runs_its_tree_and_ranks_after_lookup(catalogue):
     assert [o.kind for o in plan.passed] == ["lookahead"]
 
 
-def test_on_mlx_head_kinds_of_the_torch_backend_are_refused_and_eagle3_runs(catalogue):
+def test_on_mlx_the_dflash_drafter_is_picked_as_on_torch_and_mtp_is_refused(catalogue):
     plan = planner.plan("qwen3-4b", "mlx", "gpu", PLENTY, catalogue=catalogue)
-    assert plan.choice.label == "eagle3 eagle3-qwen3-4b"
-    torch_only = "runs on the torch backend only (mlx runs eagle3 and eagle heads): use " \
-                 "--backend torch"
-    assert ("dflash", f"drafter 'dflash' {torch_only}") in [(o.kind, o.reason)
-                                                            for o in plan.refused]
+    assert plan.choice.label == "dflash dflash-qwen3-4b"
+    assert plan.choice.label == planner.plan("qwen3-4b", "torch", "cuda", PLENTY,
+                                             catalogue=catalogue).choice.label
+    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle and dflash heads): " \
+                 "use --backend torch"
     plan = planner.plan("mimo-7b-rl", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert ("mtp", f"drafter 'mtp' {torch_only}") in [(o.kind, o.reason) for o in plan.refused]
 

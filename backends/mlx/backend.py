@@ -247,16 +247,20 @@ class MlxBackend:
 
     def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
-        """A draft model's drafter ("draft"), or an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle")
-        head drafter from its folder, checked against the target; the heads draft chains only
-        (RUNS.head_trees: the check refuses tree=True), though a target verifies the trees of
-        the model-free drafters."""
+        """A draft model's drafter ("draft"), or an EAGLE-3 ("eagle3"), EAGLE-1/2 ("eagle")
+        head or DFlash block drafter ("dflash") from its folder, checked against the target;
+        the heads draft chains only (RUNS.head_trees: the check refuses tree=True), though a
+        target verifies the trees of the model-free drafters."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
         if kind == "draft":
             from backends.mlx.drafters import DraftModelDrafter
 
             return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
+        if kind == "dflash":
+            from backends.mlx.heads.dflash import load_dflash_drafter
+
+            return load_dflash_drafter(target, head)
         return _eagle_drafter(kind, target, head)
 
 

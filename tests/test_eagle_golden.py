@@ -88,7 +88,7 @@ def test_the_eagle2_tree_is_the_authors_tree(layout):
 
 
 def test_the_head_speculators_wrote_is_read_with_its_boundary_layer_ids_and_verifier():
-    from backends.torch.heads.eagle_format import read_eagle_spec
+    from backends.heads.eagle_format import read_eagle_spec
 
     spec = read_eagle_spec(FIXTURES / "speculators")
     assert (spec.layout, spec.prefix, spec.own_embed) == ("speculators", "layers.0.", True)

@@ -262,7 +262,7 @@ class MlxBackend:
 
 def _eagle_drafter(kind: str, target: MlxModel, path: str) -> Any:
     """The head from its folder, checked against the target."""
-    from backends.head_rows import CHAIN_MIN_CONFIDENCE
+    from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
     from backends.mlx.heads.eagle import load_eagle_head, target_parts
     from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
 

@@ -282,7 +282,7 @@ class TorchBackend:
             from backends.torch.heads.medusa import load_medusa_drafter
 
             return load_medusa_drafter(target, path)
-        from backends.head_rows import CHAIN_MIN_CONFIDENCE
+        from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
         from backends.torch.heads.eagle import load_eagle_head
         from backends.torch.heads.eagle_drafter import EagleDrafter
 

@@ -1,5 +1,5 @@
 """Drafter heads on MLX, over the target's hidden states the MLX session captures (EAGLE).
 
-Head folders are read by backends/torch/heads/eagle_format.py (no array library), so both
+Head folders are read by backends/heads/eagle_format.py (no array library), so both
 backends load the same files; this package file stays empty of logic.
 """

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
 from app.core.types import SpecdeckError
-from backends.torch.heads.eagle_format import (
+from backends.heads.eagle_format import (
     EagleSpec,
     check_vocab_map,
     checked_spec,

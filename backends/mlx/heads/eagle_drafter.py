@@ -2,7 +2,7 @@
 hidden states, which the engine's verify forwards capture (no extra target forward).
 
 Knows: the Drafter protocol, the head API of backends/mlx/heads/eagle.py, the shared sampling
-pipeline, mlx arrays and streams; the head's rows are kept by backends/head_rows.py. Must not
+pipeline, mlx arrays and streams; the head's rows are kept by backends/heads/head_rows.py. Must not
 know: verification, the target's cache.
 
 The same drafter as backends/torch/heads/eagle_drafter.py, chains only (the head's own
@@ -26,9 +26,9 @@ import numpy as np
 
 from app.core.sampling import sample, warp
 from app.core.types import Draft, SamplingParams
-from backends.head_rows import HeadRows
+from backends.heads.head_rows import HeadRows
 from backends.mlx.heads.eagle import Eagle1Head, Eagle3Head, target_parts
-from backends.torch.heads.eagle_format import EagleSpec
+from backends.heads.eagle_format import EagleSpec
 
 
 class MlxEagleDrafter(HeadRows):

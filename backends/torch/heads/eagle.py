@@ -37,7 +37,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from app.core.types import SpecdeckError
-from backends.torch.heads.eagle_format import (
+from backends.heads.eagle_format import (
     EagleSpec,
     check_vocab_map,
     checked_spec,

@@ -4,7 +4,7 @@ hidden states, which the engine's verify forwards capture (no extra target forwa
 Knows: the Drafter protocol, the head API of backends/torch/heads/eagle.py, the shared
 sampling pipeline, the EAGLE-2 tree rule (../shared/docs/HEADS.md 2.2: top-k children per
 frontier node, a new frontier of the k best cumulative log-probabilities per depth, the node
-budget filled by reranking every candidate); the head's rows are kept by backends/head_rows.py.
+budget filled by reranking every candidate); the head's rows are kept by backends/heads/head_rows.py.
 Must not know: verification, the target's cache.
 
 Alignment (HEADS.md 1.2, 1.3): the head row at position t reads the target's state at t and
@@ -27,8 +27,8 @@ import torch
 
 from app.core.sampling import sample, warp
 from app.core.types import Draft, SamplingParams
-from backends.head_rows import HeadRows
-from backends.torch.heads.eagle_format import EagleSpec
+from backends.heads.head_rows import HeadRows
+from backends.heads.eagle_format import EagleSpec
 
 TREE_TOP_K = 4  # children per frontier node and frontier width (EAGLE-2's top_k)
 TREE_NODES = 16  # node budget: a verify of 17 rows stays row-exact on CPU

@@ -80,7 +80,7 @@ def test_a_chain_stops_where_the_heads_own_confidence_in_it_falls_below_the_cut(
     drafter.min_confidence = cut
     chosen: list[float] = []
     choose = drafter._choose
-    drafter._choose = lambda logits: (lambda c: chosen.append(c[2]) or c)(choose(logits))
+    drafter._choose = lambda logits: (lambda c: chosen.append(c.p) or c)(choose(logits))
     first = SpecEngine(deep_target).session.forward(PROMPT[:-1], n_logits=1,
                                                     capture=drafter.capture_layers)
     drafter.begin(PROMPT[:-1], StepFeed.prompt(PROMPT[:-1], first, PROMPT[-1]), SamplingParams(),

@@ -13,12 +13,14 @@ import pytest
 from app.core.feed import StepFeed
 from app.core.protocols import TargetOutput
 from app.core.types import SamplingParams
-from backends.torch.heads.eagle import load_eagle_head
-from backends.torch.heads.eagle_drafter import EagleDrafter
+from backends.heads.eagle_drafter import EagleDrafter, TargetParts
 from tests.eagle_heads import LAYOUTS
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
+
+from backends.torch.arrays import TorchArrays  # noqa: E402
+from backends.torch.heads.eagle import load_eagle_head  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle"
 N_LAYERS, HIDDEN, VOCAB = 8, 32, 48
@@ -38,9 +40,9 @@ def stub_target(golden):
     embed = torch.nn.Embedding.from_pretrained(golden["target_embed"])
     out = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     out.weight.data = golden["target_head"]
-    hf = SimpleNamespace(get_input_embeddings=lambda: embed, get_output_embeddings=lambda: out,
-                         model=SimpleNamespace(norm=torch.nn.Identity()))
-    return SimpleNamespace(hf=hf, n_layers=N_LAYERS, vocab_size=VOCAB, device="cpu")
+    hf = SimpleNamespace(get_input_embeddings=lambda: embed, get_output_embeddings=lambda: out)
+    return SimpleNamespace(hf=hf, parts=TargetParts(embed, torch.nn.Identity(), out, VOCAB,
+                                                     N_LAYERS))
 
 
 def features(head, spec, golden):
@@ -74,7 +76,8 @@ def test_draft_steps_one_and_two_match_the_authors_code(layout):
 def test_the_eagle2_tree_is_the_authors_tree(layout):
     head, spec, golden = loaded(layout)
     target = stub_target(golden)
-    drafter = EagleDrafter(target, head, spec, tree=True, top_k=4, max_nodes=16)
+    drafter = EagleDrafter(head, spec, TorchArrays("cpu"), target.parts, tree=True, top_k=4,
+                           max_nodes=16)
     chunks = features(head, spec, golden)
     # the hook on layer L holds hidden state L + 1: place each chunk where the head reads it
     states = {i - 1: chunk for i, chunk in zip(spec.hs_ids(N_LAYERS), chunks)}

@@ -4,14 +4,18 @@ loader (`load_eagle_head`), reading the same folders as the torch backend.
 Knows: one draft step of each head (../shared/docs/HEADS.md 1.2, 2.1; the math of
 backends/torch/heads/eagle.py, which is held to the authors' code), mlx.nn, mx.load of
 safetensors, mlx-lm's RoPE variants (the head's own rope_parameters: default, linear, llama3,
-yarn, ...). Must not know: the engine, drafting policy (backends/mlx/heads/eagle_drafter.py),
+yarn, ...). Must not know: the engine, drafting policy (backends/heads/eagle_drafter.py),
 the target beyond the sizes it is checked against and the parts it lends (embedding, output
 layer). Folder parsing, kind and target checks, stored names: eagle_format, shared.
 
 API, as torch's: `head.project(states)` (fc over captured states, ascending layer order) ->
-[..., H]; `head(embeds, hidden, offset, past=None)` -> (h, present) for rows at positions
-offset, offset + 1, ... (MLX drafts chains, so a call's rows are always consecutive and
-causal); `head.logits(h)`; `head.feedback(h)`; `head.to_target(draft_ids)`.
+[..., H]; `head(embeds, hidden, positions, past=None, mask=None)` -> (h, present) for rows
+at positions [1, T] (each its own: an EAGLE-2 tree's rows share a depth's position), mask
+bool [T, past + T] (True = may attend; None = causal over the new rows after the past);
+`head.logits(h)`; `head.feedback(h)`; `head.to_target(draft_ids)`; `head.own_embedding()`.
+
+Per-row positions: mx.fast.rope takes one offset per batch entry, so the rows move to the
+batch axis for the rotation, as backends/mlx/tree.py rotates the target's tree rows.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def head_rope(spec: EagleSpec) -> nn.Module:
 
 
 class HeadAttention(nn.Module):
-    """Causal attention over the head's KV cache; in_features is 2H for EAGLE-3's layer."""
+    """Attention over the head's KV cache; in_features is 2H for EAGLE-3's layer."""
 
     def __init__(self, spec: EagleSpec, in_features: int) -> None:
         super().__init__()
@@ -80,7 +84,8 @@ class HeadAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
         self.rope = head_rope(spec)
 
-    def __call__(self, x: mx.array, offset: int, past: KV | None) -> tuple[mx.array, KV]:
+    def __call__(self, x: mx.array, positions: mx.array, past: KV | None,
+                 mask: mx.array | None) -> tuple[mx.array, KV]:
         batch, rows, _ = x.shape
         q = self.q_proj(x).reshape(batch, rows, self.heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, rows, self.kv_heads, self.head_dim)
@@ -88,14 +93,19 @@ class HeadAttention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
         if past is not None:
             k, v = mx.concatenate((past[0], k), axis=2), mx.concatenate((past[1], v), axis=2)
-        # "causal" lines the new rows up with the last keys: every past key stays visible
+        if mask is None and rows > 1:
+            mask = "causal"  # lines the new rows up with the last keys: the past stays visible
         out = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=1.0 / math.sqrt(self.head_dim), mask="causal" if rows > 1 else None)
+            q, k, v, scale=1.0 / math.sqrt(self.head_dim), mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(batch, rows, -1)
         return self.o_proj(out), (k, v)
+
+    def _rotate(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [1, heads, rows, dim] rotated to positions [1, rows]: rows to the batch axis."""
+        return self.rope(x.swapaxes(0, 2), offset=positions[0]).swapaxes(0, 2)
 
 
 class HeadMLP(nn.Module):
@@ -124,12 +134,12 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = HeadMLP(spec)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, offset: int,
-                 past: KV | None) -> tuple[mx.array, KV]:
+    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 past: KV | None, mask: mx.array | None) -> tuple[mx.array, KV]:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = mx.concatenate((self.input_layernorm(embeds), normed), axis=-1)
-        attn, present = self.self_attn(x, offset, past)
+        attn, present = self.self_attn(x, positions, past, mask)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), present
 
@@ -164,9 +174,10 @@ class Eagle3Head(nn.Module):
             x = self.input_norm(x)
         return self.fc(x)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, offset: int,
-                 past: Sequence[KV] | None = None) -> tuple[mx.array, list[KV]]:
-        h, present = self.midlayer(embeds, hidden, offset, past[0] if past else None)
+    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 past: Sequence[KV] | None = None, mask: mx.array | None = None
+                 ) -> tuple[mx.array, list[KV]]:
+        h, present = self.midlayer(embeds, hidden, positions, past[0] if past else None, mask)
         return h, [present]
 
     def logits(self, h: mx.array) -> mx.array:
@@ -197,9 +208,10 @@ class Eagle1Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = HeadMLP(spec)
 
-    def __call__(self, x: mx.array, offset: int, past: KV | None) -> tuple[mx.array, KV]:
+    def __call__(self, x: mx.array, positions: mx.array, past: KV | None,
+                 mask: mx.array | None) -> tuple[mx.array, KV]:
         normed = self.input_layernorm(x) if "input_layernorm" in self else x
-        attn, present = self.self_attn(normed, offset, past)
+        attn, present = self.self_attn(normed, positions, past, mask)
         h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h)), present
 
@@ -226,12 +238,13 @@ class Eagle1Head(nn.Module):
         """The target's final post-norm state is the feature as it is."""
         return states[-1]
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, offset: int,
-                 past: Sequence[KV] | None = None) -> tuple[mx.array, list[KV]]:
+    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 past: Sequence[KV] | None = None, mask: mx.array | None = None
+                 ) -> tuple[mx.array, list[KV]]:
         x = self.fc(mx.concatenate((embeds, hidden), axis=-1))
         present = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, offset, past[i] if past else None)
+            x, kv = layer(x, positions, past[i] if past else None, mask)
             present.append(kv)
         return x, present
 

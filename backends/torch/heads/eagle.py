@@ -4,7 +4,7 @@ their loader (`load_eagle_head`) and the EAGLE-3 writer (`save_eagle3`).
 Knows: the forward pass of one draft step of each head, exactly as ../shared/docs/HEADS.md
 1.2 and 2.1 give it (embedding first, then the hidden state; RMSNorm in fp32; softmax in fp32;
 the head's own RoPE), the draft-vocabulary map (d2t offsets), safetensors I/O. Must not know:
-the engine, drafting policy (chains, trees, sampling: backends/torch/heads/eagle_drafter.py),
+the engine, drafting policy (chains, trees, sampling: backends/heads/eagle_drafter.py),
 the target model beyond the sizes it is checked against.
 
 Stable API (train-head builds on it):
@@ -13,7 +13,7 @@ Stable API (train-head builds on it):
   past=None, mask=None)` -> (h, present) where h is the pre-norm output [B, T, H] and present
   the layer's (k, v) after this call (past concatenated); `head.logits(h)` -> draft-vocab
   logits; `head.feedback(h)` -> what step j+1 reads as hidden; `head.to_target(ids)` maps
-  draft ids to target ids.
+  draft ids to target ids; `head.own_embedding()` -> its embedding, or None (the target's).
 - `new_eagle3_spec(...)` builds the EagleSpec of a fresh head; `save_eagle3(head, folder)`
   writes the authors' layout (`midlayer.*`, config.json) that vLLM and SGLang load.
 - `load_eagle_head(path, ...)` -> (head, spec) for any published layout, checked against the
@@ -245,6 +245,9 @@ class Eagle3Head(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def own_embedding(self) -> nn.Module | None:
+        return self.embed_tokens
+
 
 class Eagle1Layer(nn.Module):
     """A Llama decoder layer; EAGLE-1's layer 0 has no input norm (fc output goes straight in)."""
@@ -310,6 +313,9 @@ class Eagle1Head(nn.Module):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
+
+    def own_embedding(self) -> nn.Module | None:
+        return self.embed_tokens
 
 
 def load_eagle_head(path: str | Path, *, kind: str, target_name: str, hidden_size: int,

@@ -58,7 +58,7 @@ def test_draft_steps_one_and_two_match_the_authors_code(layout):
     target = stub_target(golden)
     if spec.kind == "eagle":
         head.use_target_head(target.hf.get_output_embeddings())
-    embed = head.embed_tokens or target.hf.get_input_embeddings()
+    embed = head.own_embedding() or target.hf.get_input_embeddings()
     ids = golden["ids"]
     with torch.no_grad():
         hidden = head.project(features(head, spec, golden))[None]

@@ -110,7 +110,7 @@ def test_the_mlx_heads_logits_equal_the_torch_heads_for_two_draft_steps(twins, h
     rng = np.random.default_rng(0)
     states = [rng.standard_normal((7, 32)).astype(np.float32) for _ in ours.capture_layers]
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42, 7]])
-    embed = theirs.head.embed_tokens or torch_target.hf.get_input_embeddings()
+    embed = theirs.head.own_embedding() or torch_target.hf.get_input_embeddings()
     with torch.inference_mode():
         embeds = embed(tokens)
         want_h, past = theirs.head(embeds, theirs.head.project(

@@ -1,5 +1,5 @@
-"""EAGLE heads on MLX: the same folders load, the MLX head computes the authors' logits and
-EAGLE-2 tree and the torch head's (held to the authors' code in test_eagle_golden.py), MLX
+"""EAGLE heads on MLX: the same folders load, the MLX head computes the authors' logits (its
+EAGLE-2 tree: test_eagle_golden.py) and the torch head's (held to the authors' code there), MLX
 head chains and trees draft what torch's do and give plain decoding's output greedy and the
 target's law sampled, and what MLX cannot run is refused by name. Runs on Linux through MLX's
 CPU build (mlx[cpu])."""
@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from app import drafters  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.feed import StepFeed  # noqa: E402
-from app.core.protocols import TargetOutput  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
@@ -168,35 +167,6 @@ def test_the_mlx_heads_draft_steps_one_and_two_match_the_authors_code(layout):
                                atol=1e-4)
     np.testing.assert_allclose(np.array(head.logits(h2[0, -1])), np.array(golden["logits2"]),
                                rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_mlx_eagle2_tree_is_the_authors_tree(layout):
-    """tests/fixtures/eagle's golden tree (test_eagle_golden.py holds torch to it): the tree
-    rows' own positions and ancestor mask in the MLX head's attention."""
-    from backends.heads.eagle_drafter import EagleDrafter, TargetParts
-    from backends.mlx.arrays import MlxArrays
-    from backends.mlx.heads.eagle import load_eagle_head
-
-    folder = FIXTURES / layout
-    golden = mx.load(str(folder / "golden.safetensors"))
-    kind = "eagle" if layout == "eagle1" else "eagle3"
-    head, spec = load_eagle_head(folder, kind=kind, target_name="golden-target", hidden_size=32,
-                                 vocab_size=VOCAB, n_layers=N_LAYERS)
-    parts = TargetParts(lambda ids: golden["target_embed"][ids], lambda x: x,
-                        lambda h: h @ golden["target_head"].T, VOCAB, N_LAYERS)
-    drafter = EagleDrafter(head, spec, MlxArrays(mx.default_stream(mx.cpu)), parts, tree=True,
-                           top_k=4, max_nodes=16)
-    chunks = ([golden["feature"]] if kind == "eagle" else
-              [golden["states"][:, i * 32:(i + 1) * 32] for i in range(3)])
-    states = {i - 1: chunk for i, chunk in zip(spec.hs_ids(N_LAYERS), chunks)}
-    ids = golden["ids"].tolist()
-    first = TargetOutput(argmax=(ids[-1],), hidden_states=states)
-    drafter.begin(ids[:-1], StepFeed.prompt(ids[:-1], first, ids[-1]), SamplingParams(),
-                  np.random.default_rng(0))
-    draft = drafter.propose(ids, 4)  # depth 4 = the reference's 3 expansions after the root
-    assert draft.tokens == tuple(golden["tree_tokens"].tolist())
-    assert draft.parents == tuple(golden["tree_parents"].tolist())
 
 
 @pytest.mark.parametrize("layout,tree", [("midlayer", False), ("speculators", False),

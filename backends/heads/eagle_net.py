@@ -37,12 +37,9 @@ class Kit(Protocol):
     """One array library's layers for the heads."""
 
     Module: type  # the library's module base; calling a module runs its `forward`
-
-    def linear(self, size_in: int, size_out: int, bias: bool) -> Any: ...
-
-    def embedding(self, count: int, size: int) -> Any: ...
-
-    def rms_norm(self, size: int, eps: float) -> Any: ...
+    linear: Callable[[int, int, bool], Any]  # (in, out, bias)
+    embedding: Callable[[int, int], Any]  # (count, size)
+    rms_norm: Callable[[int, float], Any]  # (size, eps): fp32 inside, as Llama's
 
     def modules(self, items: list[Any]) -> Any:
         """A list of modules whose parameters are the owner's, named by index."""

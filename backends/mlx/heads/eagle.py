@@ -84,16 +84,7 @@ class Rope(Module):
 class MlxKit:
     """backends/heads/eagle_net.Kit on mlx.nn."""
 
-    Module = Module
-
-    def linear(self, size_in: int, size_out: int, bias: bool) -> nn.Linear:
-        return nn.Linear(size_in, size_out, bias=bias)
-
-    def embedding(self, count: int, size: int) -> nn.Embedding:
-        return nn.Embedding(count, size)
-
-    def rms_norm(self, size: int, eps: float) -> RMSNorm:
-        return RMSNorm(size, eps)
+    Module, linear, embedding, rms_norm = Module, nn.Linear, nn.Embedding, RMSNorm
 
     def modules(self, items: list[nn.Module]) -> list[nn.Module]:
         return items

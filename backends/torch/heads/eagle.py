@@ -112,16 +112,7 @@ def _allowed(mask: torch.Tensor | None, rows: int, keys: int, device: Any) -> to
 class TorchKit:
     """backends/heads/eagle_net.Kit on torch.nn."""
 
-    Module = nn.Module
-
-    def linear(self, size_in: int, size_out: int, bias: bool) -> nn.Linear:
-        return nn.Linear(size_in, size_out, bias=bias)
-
-    def embedding(self, count: int, size: int) -> nn.Embedding:
-        return nn.Embedding(count, size)
-
-    def rms_norm(self, size: int, eps: float) -> RMSNorm:
-        return RMSNorm(size, eps)
+    Module, linear, embedding, rms_norm = nn.Module, nn.Linear, nn.Embedding, RMSNorm
 
     def modules(self, items: list[nn.Module]) -> nn.ModuleList:
         return nn.ModuleList(items)

@@ -182,9 +182,11 @@ class EagleDrafter(HeadRows):
         past, fed_rows, n_base = self._past, {}, len(self._rows)
         for depth in range(2, k + 1):
             nodes = frontier
-            ids = arrays.asarray([[candidates[i].token for i in nodes]])
+            # tokens and positions [2, nodes] in one copy to the device
+            rows = arrays.asarray([[candidates[i].token for i in nodes],
+                                   [self._next + depth - 2] * len(nodes)])
+            ids, positions = rows[0:1], rows[1:2]
             hidden = arrays.stack([inputs[i] for i in nodes])[None]
-            positions = arrays.asarray([[self._next + depth - 2] * len(nodes)])
             mask = arrays.asarray(_tree_mask(nodes, candidates, fed_rows, n_base), "bool")
             for node in nodes:
                 fed_rows[node] = len(fed_rows)

@@ -11,7 +11,7 @@ import pytest
 from app import drafters
 from app.catalogue import planner
 from app.catalogue.registry import load_catalogue
-from app.core.protocols import Capabilities
+from app.core.protocols import Capabilities, Runs
 from app.core.types import SpecdeckError
 from app.drafters import kinds
 from app.drafters.kinds import BY_NAME, NAMES, TABLE, check
@@ -153,14 +153,18 @@ def test_a_tree_is_refused_where_the_target_verifies_chains_naming_both_fixes():
     assert check("lookahead", capabilities=chains) is None  # its tree shrinks to a chain
 
 
-def test_an_eagle_tree_is_refused_on_mlx_whose_heads_draft_chains_naming_both_fixes():
-    refusal = check("eagle3:tree", runs_of("mlx"))
+def test_eagle_trees_run_on_mlx_and_a_backend_whose_heads_draft_chains_refuses_naming_fixes():
+    for kind in ("eagle3:tree", "eagle:tree", "lookup+eagle3:tree", "lookup+eagle:tree"):
+        assert check(kind, runs_of("mlx")) is None, kind
+    chains_only = Runs("chains", frozenset({"eagle3"}), Capabilities(hidden_states=True),
+                       head_trees=False)
+    refusal = check("eagle3:tree", chains_only)
     assert "head drafts chains only" in refusal.message
     assert refusal.message.endswith("drop --tree to draft eagle3 chains, or use --backend "
                                     "torch for trees")
-    assert check("eagle3", runs_of("mlx"), tree=True) == refusal.__class__(
+    assert check("eagle3", chains_only, tree=True) == refusal.__class__(
         "eagle3", refusal.reason.replace("'eagle3:tree'", "'eagle3'"), refusal.fix)
-    assert check("ngram", runs_of("mlx"), tree=True) is None  # --tree asks tree drafters only
+    assert check("ngram", chains_only, tree=True) is None  # --tree asks tree drafters only
     assert "does not draft trees" in check("ngram:tree", runs_of("torch")).message
 
 

@@ -72,7 +72,7 @@ class BlockDrafter:
         if k < 1 or not self._pending:
             return Draft()
         xp, start, anchor = self.arrays, self._pending[0].start, int(context[-1])
-        with xp.scope():
+        with xp.context():
             features = xp.concat([self._features(feed) for feed in self._pending])
             block = self.embed(xp.asarray([anchor, *[self.mask_token_id] * k])) \
                 * self.embed_scale
@@ -97,7 +97,7 @@ class BlockDrafter:
         logits = self.lm_head(hidden)
         selector = getattr(self.model, "candidate_selector", None)
         if selector is None:
-            return _ints(self.arrays.to_numpy(self.arrays.argmax(logits))), None
+            return _ints(self.arrays.to_numpy(self.arrays.argmax(logits)[:, 0])), None
         return walk(self.arrays, selector, hidden, logits, anchor, self._params, self._rng)
 
 
@@ -111,7 +111,7 @@ def walk(xp: Arrays, selector: Any, hidden: Any, logits: Any, anchor: int,
     shaped = logits * shape.output_multiplier  # the target head's logits as trained on
     if shape.softcap > 0:
         shaped = xp.tanh(shaped / shape.softcap) * shape.softcap
-    unary, candidates = xp.topk(shaped, min(shape.top_k, vocab))
+    unary, candidates = xp.top_k(shaped, min(shape.top_k, vocab))
     projected = selector.hidden_projection(hidden)
     successors = selector.successor_codebook[candidates]  # [k, K, r]
     previous: Any = anchor
@@ -120,7 +120,7 @@ def walk(xp: Arrays, selector: Any, hidden: Any, logits: Any, anchor: int,
         scores = unary[slot] + successors[slot] @ (selector.predecessor_codebook[previous]
                                                    * projected[slot])
         if params.greedy:  # the walk stays on the device
-            previous = candidates[slot][xp.argmax(scores)]
+            previous = candidates[slot][xp.argmax(scores)[0]]
             walked.append(previous)
             continue
         index, row = _draw(xp.to_numpy(scores), xp.to_numpy(candidates[slot]), vocab,

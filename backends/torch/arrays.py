@@ -1,6 +1,7 @@
-"""Arrays (backends/arrays) over torch tensors on one device.
+"""TorchArrays: backends/arrays' operations on torch tensors of one device.
 
-Knows: torch. Must not know: drafters or models.
+Knows: torch. Must not know: drafting, models. torch runs eagerly: schedule and evaluate do
+nothing, and only to_numpy waits for the device.
 """
 
 from __future__ import annotations
@@ -12,34 +13,53 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.arrays import Kind
+
+_DTYPES = {"int": torch.long, "bool": torch.bool, "float": torch.float32}
+
 
 class TorchArrays:
-    """The Arrays operations on torch tensors; new tensors go to `device`."""
+    def __init__(self, device: Any) -> None:
+        self.device = device
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-
-    def scope(self) -> AbstractContextManager[Any]:
+    def context(self) -> AbstractContextManager[Any]:
         return torch.inference_mode()
 
-    def asarray(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(values), device=self.device)
+    def asarray(self, values: Any, kind: Kind = "int") -> torch.Tensor:
+        return torch.as_tensor(values, dtype=_DTYPES[kind], device=self.device)
 
-    def concat(self, arrays: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
-        return torch.cat(list(arrays), dim=axis)
+    def arange(self, start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, device=self.device)
 
-    def stack(self, arrays: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
-        return torch.stack(list(arrays), dim=axis)
+    def concat(self, parts: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
+        return torch.cat(list(parts), dim=axis)
 
-    def argmax(self, x: torch.Tensor, axis: int = -1) -> torch.Tensor:
-        return x.argmax(dim=axis)
+    def stack(self, parts: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
+        return torch.stack(list(parts), dim=axis)
 
-    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        values, indices = torch.topk(x, k, dim=-1)
-        return values, indices
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1, keepdim=True)
+
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
 
     def tanh(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
 
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x, dim=-1)
+
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.topk(k)
+
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
         return x.detach().cpu().numpy()
+
+    def schedule(self, *xs: Any) -> None:
+        return None
+
+    def evaluate(self, *xs: Any) -> None:
+        return None

@@ -89,7 +89,7 @@ def _head_kind(path: str | None) -> str | None:
     """The EAGLE kind of a head folder (config and safetensors header only), else None."""
     if not path:
         return None
-    from backends.torch.heads.eagle_format import head_kind
+    from backends.heads.eagle_format import head_kind
     return head_kind(path)
 
 

@@ -1,6 +1,7 @@
 """Plain against default settings (and llama-server) over HTTP, interleaved, per prompt set.
 
 Usage: http_race.py SPECDECK_URL OUT.json [--limit N] [--max-tokens N] [--llama URL]
+                    [--sets chat,spec-bench:rag,...]
 
 Each prompt is asked three ways in turn (specdeck with `"drafter": "none"`, specdeck with
 its defaults, llama-server), each after a short other request, so no reply reuses the last
@@ -23,16 +24,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.bench.prompts import load_prompts  # noqa: E402
 
 SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "rag")
+SHOWN = ("drafter", "k", "draft_acceptance_rate", "num_draft_tokens")  # on each printed line
 
 
-def prompt_sets(limit: int) -> dict[str, list]:
+def prompt_sets(limit: int, only: str = "") -> dict[str, list]:
+    """Every set (or those named in only, comma-separated), limit prompts each."""
     sets = {"chat": load_prompts("mt-bench", limit=1)[:limit],
             "code": load_prompts("humaneval", limit=limit),
             "math": load_prompts("spec-bench:math_reasoning", limit=limit)}
     for category in SPEC_BENCH:
         sets[f"spec-bench:{category}"] = load_prompts(f"spec-bench:{category}",
                                                       limit=max(1, limit - 1))
-    return sets
+    names = [name for name in only.split(",") if name]
+    unknown = sorted(set(names) - set(sets))
+    if unknown:
+        raise SystemExit(f"unknown sets {unknown}: choose from {sorted(sets)}")
+    return {name: sets[name] for name in names} if names else sets
 
 
 class Asker:
@@ -86,8 +93,9 @@ def row_of(name: str, prompt_id: str, got: dict) -> dict:
     row = {"set": name, "id": prompt_id, "plain_tok_s": plain["tok_s"],
            "default_tok_s": default["tok_s"], "ratio": default["tok_s"] / plain["tok_s"],
            "same": plain["text"] == default["text"], "tokens": default["tokens"],
-           "spec": {k: v for k, v in default["spec"].items()
-                    if k in ("drafter", "k", "draft_acceptance_rate", "num_draft_tokens")}}
+           "spec": {k: v for k, v in default["spec"].items() if k in SHOWN},
+           # the timings and each drafter's share, to see where a slower reply lost its time
+           "plain_detail": plain["spec"], "default_detail": default["spec"]}
     if "llama" in got:
         llama = got["llama"]["tok_s"]
         row.update(llama_tok_s=llama, vs_llama=default["tok_s"] / llama,
@@ -123,13 +131,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=3, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama", help="llama-server's /v1 URL")
+    parser.add_argument("--sets", default="", help="comma-separated sets to run (default all)")
     args = parser.parse_args()
     asker = Asker(args.max_tokens)
     for base in filter(None, (args.url, args.llama)):
         asker.wait_for(base)
         asker.ask(base, "Say hi.", None)  # load and warm before anything is timed
     asker.ask(args.url, "Say hi.", "none")
-    rows = race(asker, args.url, args.llama, prompt_sets(args.limit))
+    rows = race(asker, args.url, args.llama, prompt_sets(args.limit, args.sets))
     summary = summarise(rows)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
 

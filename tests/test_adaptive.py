@@ -299,3 +299,53 @@ def test_a_new_generation_weighs_the_last_texts_acceptance_half():
     feed(controller, 10, n_drafted=2, n_accepted=0, draft_s=0.0)
     # 20 steps that accepted both, kept as 10, against 10 that accepted none
     assert abs(controller.acceptance()[0] - 0.5) < 1e-6
+
+
+def test_a_prompt_read_that_drafting_cannot_repay_within_the_budget_is_not_paid():
+    # plain 0.10 s a token; k=1 at 7/11 acceptance: 1.64 tokens in 0.11 + 0.04 s, 0.0917 s
+    # a token, 0.0083 s saved a token; reads measured at 2 ms a row
+    controller = KController(k_max=1, prior_weight=1e-9, decay=1.0)
+    controller.seed_costs({1: 0.10, 2: 0.11})
+    assert controller.read_pays(800, 127)  # reads not priced yet: the first one measures
+    feed(controller, 6, n_drafted=1, n_accepted=1, draft_s=0.04)
+    feed(controller, 4, n_drafted=1, n_accepted=0, draft_s=0.04)
+    controller.observe(1, 1, 0.04, 0.11, 0.0, source="draft", catch_up_s=0.2,
+                       catch_up_rows=100, reads_prompt=True)
+    assert controller.read_rows == 100
+    assert not controller.read_pays(800, 127)  # 1.6 s to read, 1.06 s to save: no
+    assert controller.read_pays(800, 400) and controller.read_pays(50, 127)
+    assert not controller.read_pays(50, 5)
+
+
+def test_one_row_never_costs_more_than_the_cheapest_forward_measured():
+    controller = KController(k_max=2)
+    controller.seed_costs({1: 0.050, 2: 0.045, 3: 0.047})  # the one-row average ran high
+    assert controller.verify_cost(1) == 0.045
+    assert controller.verify_cost(2) == 0.045 and controller.verify_cost(3) == 0.047
+
+
+def test_an_exploration_reads_only_what_a_text_as_good_as_the_prior_would_repay():
+    # drafting pays nothing by the estimates (every draft rejected); an exploration asks
+    # whether a prior-like text (60% acceptance) would repay the rows it reads first
+    def explorer(draft_s: float) -> KController:
+        controller = KController(k_max=1, prior_weight=1e-9, decay=1.0, explore_every=1)
+        controller.seed_costs({1: 0.10, 2: 0.11})
+        feed(controller, 10, n_drafted=1, n_accepted=0, draft_s=draft_s)
+        controller.observe(1, 0, draft_s, 0.11, 0.0, source="draft", catch_up_s=0.2,
+                           catch_up_rows=100)  # 2 ms a row
+        controller.choose()  # off, and the first step off explores
+        assert controller._exploring
+        return controller
+
+    assert explorer(0.01).read_pays(64, 100)  # a cheap draft: a good text repays 64 rows
+    assert not explorer(0.05).read_pays(64, 100)  # no text at 60% repays this draft at all
+
+
+def test_a_slow_step_moves_a_forwards_cost_less_than_a_fast_one():
+    controller = KController(k_max=1)
+    controller.seed_costs({1: 0.040, 2: 0.045})
+    controller.observe(0, 0, 0.0, 0.080, 0.0)  # another process slowed one plain step
+    slowed = controller.verify_s[1]
+    assert 0.040 < slowed < 0.040 + 0.1 * 0.040
+    controller.observe(0, 0, 0.0, 0.040, 0.0)
+    assert controller.verify_s[1] - 0.040 < (slowed - 0.040) / 2  # back down quickly

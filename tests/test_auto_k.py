@@ -116,3 +116,29 @@ def test_auto_k_verifies_only_the_prefix_the_drafters_own_survival_pays_for():
     draft = AutoK(drafter, [controller]).propose([1, 2, 3], cap=100)
     assert drafter.calls == [4]
     assert draft.tokens == (0, 1) and draft.survival == (0.9, 0.5)
+
+
+class Reading(Scripted):
+    """A model member with `unread` context rows to read before its next draft."""
+
+    def __init__(self, name: str, unread: int) -> None:
+        super().__init__(name)
+        self.unread = unread
+
+    def unread_rows(self, context) -> int:
+        return self.unread
+
+
+def test_a_model_whose_prompt_read_cannot_be_repaid_leaves_the_step_plain():
+    model = Reading("draft", unread=800)
+    controller = KController(k_max=4)
+    controller.seed_costs(FLAT)
+    controller.observe(1, 1, 0.05, 0.10, 0.0, source="draft", catch_up_s=0.4,
+                       catch_up_rows=200)  # 2 ms a row: 1.6 s for 800 rows
+    auto = AutoK(model, [controller])
+    assert controller.choose() > 0  # it would draft, were the prompt read
+    assert auto.propose([1, 2, 3], cap=10).tokens == () and auto.off
+    assert model.calls == []  # nothing asked of the model: its prompt stays unread
+    assert auto.propose([1, 2, 3], cap=2000).tokens  # a long budget repays the read
+    model.unread = 0
+    assert auto.propose([1, 2, 3], cap=10).tokens  # read already: it drafts

@@ -76,8 +76,13 @@ def test_the_prompt_is_read_when_the_drafter_first_drafts_not_when_a_reply_begin
     drafter = DraftModelDrafter(target, target)
     drafter.begin(PROMPT, None, SamplingParams(), np.random.default_rng(0))
     assert drafter._session.length == 0  # a reply that never drafts never pays for it
+    assert drafter.unread_rows(PROMPT) == len(PROMPT) - 1  # the last row is read drafting
     first = drafter.propose(PROMPT, 2)
     assert first.catch_up_s > 0.0 and first.reads_prompt
+    assert first.catch_up_rows == len(PROMPT) - 1
+    assert drafter.unread_rows(PROMPT) == 0
+    assert drafter.unread_rows(PROMPT + [3, 4]) == 0  # d_k and a bonus: drafting reads them
+    assert drafter.unread_rows(PROMPT + [3, 4, 5, 6, 7, 8]) == 5
     again = drafter.propose(PROMPT, 2)
     assert again.catch_up_s == 0.0 and not again.reads_prompt
     later = drafter.propose(PROMPT + [3, 4, 5, 6, 7, 8], 2)  # missed tokens, not the prompt
@@ -157,3 +162,21 @@ def test_a_drafter_reads_only_the_end_of_a_long_prompt_keeps_it_for_the_next_tur
     start = drafter._start
     list(engine.generate(follow_up, params))
     assert drafter._start == start  # still under twice the window: the cache is reused
+
+
+def test_a_new_prompt_is_read_from_its_last_window_whatever_the_last_prompt_was(
+        target, monkeypatch):
+    from app.drafters import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_CONTEXT", 8)
+    params = SamplingParams(max_new_tokens=4)
+    drafter = DraftModelDrafter(target, target)
+    engine = SpecEngine(target, drafter, k=3)
+    first = [5, 9, 12, 5, 9, 3, 7, 5, 9, 11, 4, 6]  # 12 tokens: under twice the window
+    list(engine.generate(first, params))
+    assert drafter._start == len(first) - 8
+    unrelated = [3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7, 9, 32, 38]
+    plain = list(SpecEngine(target).generate(unrelated, params))[-1]
+    done = list(engine.generate(unrelated, params))[-1]
+    assert done.token_ids == plain.token_ids
+    assert drafter._start == len(unrelated) - 8  # not the last prompt's start, nor 0

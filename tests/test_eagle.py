@@ -80,7 +80,7 @@ def test_a_chain_stops_where_the_heads_own_confidence_in_it_falls_below_the_cut(
     drafter.min_confidence = cut
     chosen: list[float] = []
     choose = drafter._choose
-    drafter._choose = lambda logits: (lambda c: chosen.append(c[2]) or c)(choose(logits))
+    drafter._choose = lambda logits: (lambda c: chosen.append(c.p) or c)(choose(logits))
     first = SpecEngine(deep_target).session.forward(PROMPT[:-1], n_logits=1,
                                                     capture=drafter.capture_layers)
     drafter.begin(PROMPT[:-1], StepFeed.prompt(PROMPT[:-1], first, PROMPT[-1]), SamplingParams(),
@@ -265,7 +265,8 @@ def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
 
 @pytest.mark.parametrize("ids", [None, (1, 4, 6), (3, 5, 7)])
 def test_a_head_saved_in_the_authors_layout_reloads_reading_the_same_layers(tmp_path, ids):
-    from backends.torch.heads.eagle import Eagle3Head, load_eagle_head, new_eagle3_spec, save_eagle3
+    from backends.heads.eagle_format import new_eagle3_spec
+    from backends.torch.heads.eagle import Eagle3Head, load_eagle_head, save_eagle3
 
     spec = new_eagle3_spec("fresh", target_hidden_size=32, vocab_size=VOCAB, draft_vocab_size=16,
                            num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,

@@ -11,7 +11,7 @@ import pytest
 from app import drafters
 from app.catalogue import planner
 from app.catalogue.registry import load_catalogue
-from app.core.protocols import Capabilities
+from app.core.protocols import Capabilities, Runs
 from app.core.types import SpecdeckError
 from app.drafters import kinds
 from app.drafters.kinds import BY_NAME, NAMES, TABLE, check
@@ -29,7 +29,7 @@ NEEDS = (kinds.NOTHING, kinds.DRAFT_MODEL, kinds.HEAD, kinds.OWN_LAYERS)
 RAN = {
     "torch": frozenset(NAMES),
     "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
-                      "lookup+eagle3", "lookup+eagle", "lookahead"}),
+                      "lookup+eagle3", "lookup+eagle", "dflash", "lookahead"}),
     "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
 }
 # what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
@@ -37,7 +37,7 @@ RAN = {
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
            "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
-TORCH_ONLY_ON_MLX = ("mtp", "medusa", "dflash", "dspark")
+TORCH_ONLY_ON_MLX = ("mtp", "medusa")
 
 
 def target_on(backend: str) -> FakeModel:
@@ -110,7 +110,6 @@ def test_the_planner_refuses_torch_only_kinds_on_mlx_with_the_same_message():
     catalogue = load_catalogue()
     refused = {o.kind: o.reason for target in ("qwen3-4b", "mimo-7b-rl")
                for o in planner.plan(target, "mlx", "gpu", PLENTY, catalogue=catalogue).refused}
-    assert refused["dflash"] == check("dflash", runs_of("mlx")).message
     assert refused["mtp"] == check("mtp", runs_of("mlx")).message
 
 
@@ -135,6 +134,10 @@ def test_the_planner_agrees_with_check_for_every_kind_it_considers(backend):
         plan = planner.plan(target, files, device, PLENTY, catalogue=catalogue, runs=runs)
         for option in (plan.choice, *plan.passed, *plan.refused):
             considered.add(option.kind)
+            if option.kind not in kinds.BY_NAME:  # listed before it runs (PLANNED_KINDS)
+                assert option in plan.refused
+                assert option.reason.startswith(f"needs {option.kind}: ")
+                continue
             refusal = check(option.kind, runs)
             if refusal is not None:
                 assert option in plan.refused and option.reason == refusal.message
@@ -150,14 +153,18 @@ def test_a_tree_is_refused_where_the_target_verifies_chains_naming_both_fixes():
     assert check("lookahead", capabilities=chains) is None  # its tree shrinks to a chain
 
 
-def test_an_eagle_tree_is_refused_on_mlx_whose_heads_draft_chains_naming_both_fixes():
-    refusal = check("eagle3:tree", runs_of("mlx"))
+def test_eagle_trees_run_on_mlx_and_a_backend_whose_heads_draft_chains_refuses_naming_fixes():
+    for kind in ("eagle3:tree", "eagle:tree", "lookup+eagle3:tree", "lookup+eagle:tree"):
+        assert check(kind, runs_of("mlx")) is None, kind
+    chains_only = Runs("chains", frozenset({"eagle3"}), Capabilities(hidden_states=True),
+                       head_trees=False)
+    refusal = check("eagle3:tree", chains_only)
     assert "head drafts chains only" in refusal.message
     assert refusal.message.endswith("drop --tree to draft eagle3 chains, or use --backend "
                                     "torch for trees")
-    assert check("eagle3", runs_of("mlx"), tree=True) == refusal.__class__(
+    assert check("eagle3", chains_only, tree=True) == refusal.__class__(
         "eagle3", refusal.reason.replace("'eagle3:tree'", "'eagle3'"), refusal.fix)
-    assert check("ngram", runs_of("mlx"), tree=True) is None  # --tree asks tree drafters only
+    assert check("ngram", chains_only, tree=True) is None  # --tree asks tree drafters only
     assert "does not draft trees" in check("ngram:tree", runs_of("torch")).message
 
 

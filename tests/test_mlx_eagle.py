@@ -1,7 +1,8 @@
-"""EAGLE heads on MLX: the same folders load, the MLX head computes the authors' logits and
-the torch head's (held to the authors' code in test_eagle_golden.py), MLX head chains give
-plain decoding's output greedy and the target's law sampled, and what MLX cannot run is
-refused by name. Runs on Linux through MLX's CPU build (mlx[cpu])."""
+"""EAGLE heads on MLX: the same folders load, the MLX head computes the authors' logits (its
+EAGLE-2 tree: test_eagle_golden.py) and the torch head's (held to the authors' code there), MLX
+head chains and trees draft what torch's do and give plain decoding's output greedy and the
+target's law sampled, and what MLX cannot run is refused by name. Runs on Linux through MLX's
+CPU build (mlx[cpu])."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from app import drafters  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
-from app.core.feed import StepFeed
+from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
@@ -108,7 +109,7 @@ def test_the_mlx_heads_logits_equal_the_torch_heads_for_two_draft_steps(twins, h
     rng = np.random.default_rng(0)
     states = [rng.standard_normal((7, 32)).astype(np.float32) for _ in ours.capture_layers]
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42, 7]])
-    embed = theirs.head.embed_tokens or torch_target.hf.get_input_embeddings()
+    embed = theirs.head.own_embedding() or torch_target.hf.get_input_embeddings()
     with torch.inference_mode():
         embeds = embed(tokens)
         want_h, past = theirs.head(embeds, theirs.head.project(
@@ -121,12 +122,13 @@ def test_the_mlx_heads_logits_equal_the_torch_heads_for_two_draft_steps(twins, h
                                                 torch.tensor([[START + 7]]), past)[0][0, -1])
     head = ours.head
     got_h, mlx_past = head(mx.array(embeds.numpy()),
-                           head.project([mx.array(s) for s in states])[None], START)
+                           head.project([mx.array(s) for s in states])[None],
+                           mx.arange(START, START + 7)[None])
     got_1 = head.logits(got_h[0])
     assert head.to_target(mx.argmax(got_1[-1], keepdims=True)).tolist() == token.tolist()
     got_2 = head.logits(head(mx.array(step_embed.numpy()),
-                             head.feedback(got_h[0, -1])[None, None], START + 7,
-                             mlx_past)[0][0, -1])
+                             head.feedback(got_h[0, -1])[None, None],
+                             mx.array([[START + 7]]), mlx_past)[0][0, -1])
     # at position 3000 torch's and MLX's fp32 RoPE angles round apart: logits of ~20 differ
     # by up to 3e-4; a head that ignored its llama3 scaling is 6e-2 off
     np.testing.assert_allclose(np.array(got_1), want_1.numpy(), rtol=1e-4, atol=1e-3)
@@ -155,43 +157,51 @@ def test_the_mlx_heads_draft_steps_one_and_two_match_the_authors_code(layout):
         return own(ids) if own is not None else golden["target_embed"][ids]
 
     ids = golden["ids"]
-    h, past = head(embed(ids[None, 1:]), head.project(chunks)[None], 0)
+    h, past = head(embed(ids[None, 1:]), head.project(chunks)[None],
+                   mx.arange(0, ids.size - 1)[None])
     logits1 = head.logits(h[0, -1])
     token = head.to_target(mx.argmax(logits1, keepdims=True))
-    h2, _ = head(embed(token[None]), head.feedback(h[:, -1:]), ids.size - 1, past)
+    h2, _ = head(embed(token[None]), head.feedback(h[:, -1:]), mx.array([[ids.size - 1]]),
+                 past)
     np.testing.assert_allclose(np.array(logits1), np.array(golden["logits1"]), rtol=1e-4,
                                atol=1e-4)
     np.testing.assert_allclose(np.array(head.logits(h2[0, -1])), np.array(golden["logits2"]),
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["midlayer", "speculators", "eagle1"])
-def test_mlx_and_torch_head_drafters_propose_the_same_chains_step_by_step(twins, heads,
-                                                                           layout):
-    """The whole drafter on twin targets: every step's chain (so the head's cache after each
-    accepted path) is the torch drafter's."""
+@pytest.mark.parametrize("layout,tree", [("midlayer", False), ("speculators", False),
+                                         ("eagle1", False), ("midlayer", True),
+                                         ("eagle1", True)])
+def test_mlx_and_torch_head_drafters_propose_the_same_drafts_step_by_step(twins, heads,
+                                                                          layout, tree):
+    """The whole drafter on twin float32 targets: every step's chain or tree (so the head's
+    cache after each accepted path) is the torch drafter's, and so are the tokens."""
     torch_target, mlx_target = twins
     kind = kind_of(layout)
-    proposals = {}
+    proposals, outputs = {}, {}
     for name, target, backend in (("mlx", mlx_target, MlxBackend()),
                                   ("torch", torch_target, TorchBackend())):
-        drafter = backend.make_drafter(kind, target, head=str(heads[layout]))
+        drafter = backend.make_drafter(kind, target, head=str(heads[layout]), tree=tree)
         proposals[name] = _recording(drafter)
         done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=24),
                                                 drafter=drafter, k=4))[-1]
         assert done.error is None, done.error
+        outputs[name] = done.token_ids
     assert proposals["mlx"] == proposals["torch"]
+    assert outputs["mlx"] == outputs["torch"]
     assert len(proposals["mlx"]) > 4
+    assert all((draft[1] is not None) == tree for draft in proposals["mlx"])
 
 
-def _recording(drafter) -> list[tuple[int, ...]]:
-    """Every chain drafter.propose returns, in order (the drafter otherwise unchanged)."""
-    seen: list[tuple[int, ...]] = []
+def _recording(drafter) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """Every draft drafter.propose returns, tokens and parents, in order (the drafter
+    otherwise unchanged)."""
+    seen: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
     propose = drafter.propose
 
     def recorded(context, k):
         draft = propose(context, k)
-        seen.append(draft.tokens)
+        seen.append((draft.tokens, draft.parents))
         return draft
 
     drafter.propose = recorded
@@ -211,6 +221,32 @@ def test_an_mlx_head_chain_gives_exactly_plain_greedy_decoding(twins, heads, lay
                                             k=k))[-1]
     assert done.token_ids == truth
     assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("layout", ["midlayer", "eagle1"])
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
+def test_an_mlx_eagle2_tree_gives_exactly_plain_greedy_decoding(twins, heads, layout, k):
+    _, target = twins
+    truth = plain(target, PROMPT, 30).token_ids
+    drafter = build(target, heads[layout], layout, tree=True)
+    done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30),
+                                            drafter=drafter, k=k))[-1]
+    assert done.token_ids == truth
+    assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("tree", [True, *heavy(False)])
+def test_lookup_then_an_mlx_head_gives_exactly_plain_greedy_decoding_and_both_draft(
+        twins, heads, tree):
+    _, target = twins
+    prompt = PROMPT * 3  # a repeated prompt: lookup finds matches, the head drafts the rest
+    drafter = drafters.build_drafter("lookup+eagle3", target, backend=MlxBackend(),
+                                     head=str(heads["midlayer"]), tree=tree)
+    done = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30),
+                                            drafter=drafter, k=4))[-1]
+    assert done.token_ids == plain(target, prompt, 30).token_ids
+    drafted = {m.name: m.drafted for m in done.stats.drafters}
+    assert drafted.get("lookup", 0) > 0 and drafted.get("eagle3-tree" if tree else "eagle3") > 0
 
 
 @pytest.mark.parametrize("layout", ["midlayer", "eagle1"])
@@ -286,7 +322,7 @@ def test_generate_with_backend_mlx_and_a_head_folder_equals_plain_output(twins, 
     assert outputs[1]["drafter"] == "eagle3" and outputs[1]["drafted"] > 0
 
 
-def test_bench_on_mlx_runs_a_head_chain_and_names_why_its_tree_cannot_run(twins, heads):
+def test_bench_on_mlx_runs_a_head_as_a_chain_and_as_a_tree(twins, heads):
     from app.bench import run as bench
     from tests.test_bench import word_prompts
 
@@ -294,10 +330,10 @@ def test_bench_on_mlx_runs_a_head_chain_and_names_why_its_tree_cannot_run(twins,
     settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
                                    max_new_tokens=8, head=str(heads["layers"]), warmup=0)
     runners, unavailable = bench.build_runners(target, settings, backend=MlxBackend())
-    assert [r.config.name for r in runners] == ["plain", "eagle3 k=3"]
-    assert "drop --tree" in unavailable["eagle3:tree k=3"]
+    assert [r.config.name for r in runners] == ["plain", "eagle3 k=3", "eagle3:tree k=3"]
+    assert not unavailable
     report = bench.run_bench(target, word_prompts(2), settings, backend=MlxBackend())
-    assert {c["name"] for c in report["configs"]} >= {"plain", "eagle3 k=3"}
+    assert {c["name"] for c in report["configs"]} >= {"plain", "eagle3 k=3", "eagle3:tree k=3"}
 
 
 # ---------------------------------------------------------------- lossless: sampled
@@ -344,13 +380,15 @@ def test_sampled_mlx_head_chains_report_the_q_they_sample_from(small_target, tmp
     assert_follows(counts, draft.probs[0] * 400)
 
 
-@pytest.mark.heavy  # 900 sampled generations
+@pytest.mark.heavy  # 900 sampled generations each
+@pytest.mark.parametrize("layout,tree", [("midlayer", False), ("eagle1", False),
+                                         ("midlayer", True)])
 def test_sampled_speculation_with_an_mlx_head_draws_from_the_targets_distribution(
-        small_target, tmp_path):
+        small_target, tmp_path, layout, tree):
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
     prompt = [1, 2, 3, 4]
     joint = two_token_law(small_target, prompt, params, SMALL_VOCAB)
-    drafter = build(small_target, spread_head(tmp_path / "head", "midlayer"), "midlayer")
+    drafter = build(small_target, spread_head(tmp_path / layout, layout), layout, tree=tree)
     engine = SpecEngine(small_target)
     counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
     n, accepted = 900, 0
@@ -384,13 +422,7 @@ def test_a_head_with_another_vocabulary_or_too_few_layers_is_refused_on_mlx(head
             build(mlx_twin(model, tmp_path / name), heads["midlayer"], "midlayer")
 
 
-def test_an_eagle2_tree_is_refused_on_mlx_naming_the_fix(twins, heads):
-    _, target = twins
-    with pytest.raises(SpecdeckError, match="drop --tree .*--backend torch"):
-        build(target, heads["midlayer"], "midlayer", tree=True)
-
-
-@pytest.mark.parametrize("kind", ["mtp", "medusa", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "medusa"])
 def test_head_kinds_mlx_does_not_run_name_the_torch_backend(twins, heads, kind):
     _, target = twins
     with pytest.raises(SpecdeckError, match="--backend torch"):

@@ -208,7 +208,7 @@ def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(c
                         implemented=frozenset({"ngram", "lookahead", "draft"}))
     assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
     assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
-        {"dflash": "needs dflash", "eagle3": "needs eagle3"}
+        {"dspark": "needs dspark", "dflash": "needs dflash", "eagle3": "needs eagle3"}
     assert plan.reasons()[0] == ("drafter: draft qwen3-0.6b (the catalogue's draft model for "
                                  "this target)")
 
@@ -217,7 +217,8 @@ def test_an_eagle3_head_is_chosen_before_the_draft_model_and_dflash_needs_its_ki
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
                         implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}))
     assert (plan.choice.kind, plan.choice.model.id) == ("eagle3", "eagle3-qwen3-4b")
-    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == {"dflash": "needs dflash"}
+    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
+        {"dspark": "needs dspark", "dflash": "needs dflash"}
     assert plan.reasons()[0].startswith("drafter: eagle3 eagle3-qwen3-4b (trained for this "
                                         "target: ")
 
@@ -408,3 +409,54 @@ def test_a_local_gguf_is_planned_at_its_size_on_disk(tmp_path, catalogue, monkey
     plan = planner.plan(str(path), "torch", "cpu", 16 * GB, catalogue=catalogue)
     assert plan.fit.dtype == "gguf"
     assert plan.fit.target_weights_bytes == path.stat().st_size
+
+
+# ---- the drafter's memory: weights, verify state, KV per token, servable context -----------
+
+
+def test_the_dspark_pairs_verify_state_and_kv_cache_match_the_hand_computation(catalogue):
+    fit = planner.pair_fit(catalogue.pair("qwen3-4b+dspark"), "torch", "cuda", 40 * GB, 4096)
+    assert fit.dtype == "bfloat16"
+    assert fit.drafter_weights_bytes == 1_394_000_000 * 2
+    assert fit.drafter_kv_per_token == 5 * 8 * 128 * 2 * 2 == 20_480  # five drafter layers
+    # k 7 drafts and the anchor: 8 rows, each float32 logits over 151936 tokens and the five
+    # captured target layers' hidden states in bf16
+    assert fit.verify_rows == 8
+    assert fit.verify_bytes == 8 * (151_936 * 4 + 5 * 2560 * 2) == 5_066_752
+    assert dict(fit.rows())["verify state"] == "5.1 MB (8 rows)"
+    assert dict(fit.rows())["KV per token"] == "144.0 KiB target + 20.0 KiB drafter"
+
+
+def test_medusa_heads_keep_no_kv_cache_and_an_eagle3_head_captures_three_layers(catalogue):
+    medusa = planner.pair_fit(catalogue.pair("vicuna-7b+medusa"), "torch", "cuda", 40 * GB, 2048)
+    assert medusa.drafter_kv_per_token == 0 and medusa.drafter_weights_bytes > 0
+    eagle3 = planner.pair_fit(catalogue.pair("qwen3-4b+eagle3"), "torch", "cuda", 40 * GB, 4096)
+    assert eagle3.verify_bytes == 7 * (151_936 * 4 + 3 * 2560 * 2)
+    ngram = planner.pair_fit(catalogue.pair("smollm2-135m+ngram"), "torch", "cuda", GB, 4096)
+    assert (ngram.drafter_weights_bytes, ngram.drafter_kv_per_token) == (0, 0)
+    assert ngram.verify_bytes == 5 * 49_152 * 4  # logits only: it reads no hidden state
+
+
+def test_the_planners_order_is_data_and_every_kind_in_it_has_a_place_and_a_reason():
+    kinds = [rank.kind for rank in planner.PREFERENCE]
+    assert len(kinds) == len(set(kinds)) and all(rank.why for rank in planner.PREFERENCE)
+    assert planner.HEAD_KINDS == ("dspark", "dflash", "eagle3", "eagle", "medusa")
+    assert planner.MODEL_FREE == {"lookahead", "ngram"}
+
+
+def test_models_why_prints_the_pairs_memory_rows_and_its_unverified_sources(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))
+    rows = store.list_pairs("torch", "cuda", 40 * GB, 4096)
+    text = store.models_table(rows, 4096, why=True)
+    block = text.split("\nqwen3-4b+dspark")[1].split("\nqwen3-8b+dspark")[0]
+    assert ("    unverified: deepseek-ai/dspark_qwen3_4b_block7: id and files from DeepSpec's "
+            "README, not checked on the hub") in block
+    assert ("    memory with dspark: target weights 8.04 GB; drafter weights 2.79 GB; verify "
+            "state 5.1 MB (8 rows); KV per token 144.0 KiB target + 20.0 KiB drafter; "
+            "servable context 40960 plain / 40960 with the drafter") in block
+    assert "unverified" not in store.models_table(rows, 4096).split("\nsmollm2")[1].split("\n")[1]
+    dspark = next(r for r in rows if r.pair.id == "qwen3-4b+dspark").to_dict()
+    assert dspark["unverified"] == ["deepseek-ai/dspark_qwen3_4b_block7: id and files from "
+                                    "DeepSpec's README, not checked on the hub"]
+    assert dspark["fit"]["verify_rows"] == 8

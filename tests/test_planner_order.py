@@ -13,6 +13,9 @@ EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflas
                         "mtp"})
 PLENTY = 10**12  # every drafter fits: the order alone decides
 NEEDS = "specdeck does not run this drafter kind yet"
+# the catalogue lists DSpark pairs before the kind runs (registry.PLANNED_KINDS); once
+# app/drafters/kinds.py has it, the qwen3 rows below choose it on a CPU too
+NEEDS_DSPARK = f"needs dspark: {NEEDS}"
 LARGE = "too large to pay off: 49% of the target's parameters"
 PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
           "(safetensors only)")
@@ -29,9 +32,10 @@ TODAY_CPU = {
                          "ngram", "lookahead"]),
     "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
                           ["draft qwen2.5-coder-0.5b-instruct-q4km", "ngram", "lookahead"]),
-    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("draft qwen3-4b", LARGE)],
+    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("dspark dspark-qwen3-8b", NEEDS_DSPARK),
+                                                 ("draft qwen3-4b", LARGE)],
                       ["draft qwen3-0.6b", "ngram", "lookahead"]),
-    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [],
+    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [("dspark dspark-qwen3-4b", NEEDS_DSPARK)],
                       ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "ngram", "lookahead"]),
     "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
@@ -42,8 +46,9 @@ TODAY_CPU = {
 # pairs with the same target plan the same: the plan is the target's, not the pair's
 TODAY_CPU["llama3.1-8b+eagle3"] = TODAY_CPU["llama3.1-8b+dflash"] = \
     TODAY_CPU["llama3.1-8b+3.2-1b"]
-TODAY_CPU["qwen3-4b+eagle3"] = TODAY_CPU["qwen3-4b+dflash"] = TODAY_CPU["qwen3-4b+0.6b"]
-TODAY_CPU["qwen3-8b+dflash"] = TODAY_CPU["qwen3-8b+0.6b"]
+TODAY_CPU["qwen3-4b+eagle3"] = TODAY_CPU["qwen3-4b+dflash"] = TODAY_CPU["qwen3-4b+dspark"] = \
+    TODAY_CPU["qwen3-4b+0.6b"]
+TODAY_CPU["qwen3-8b+dflash"] = TODAY_CPU["qwen3-8b+dspark"] = TODAY_CPU["qwen3-8b+0.6b"]
 
 # torch on CUDA with every kind implemented: MTP, then shipped heads, then draft models, then
 # lookahead before lookup (a GPU verifies a wide tree's rows nearly for free)
@@ -57,9 +62,10 @@ EVERY_KIND_CUDA = {
                          "lookahead", "ngram"]),
     "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
                           ["draft qwen2.5-coder-0.5b-instruct-q4km", "lookahead", "ngram"]),
-    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("draft qwen3-4b", LARGE)],
+    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("dspark dspark-qwen3-8b", NEEDS_DSPARK),
+                                                 ("draft qwen3-4b", LARGE)],
                       ["draft qwen3-0.6b", "lookahead", "ngram"]),
-    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [],
+    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [("dspark dspark-qwen3-4b", NEEDS_DSPARK)],
                       ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "lookahead", "ngram"]),
     "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
@@ -70,8 +76,9 @@ EVERY_KIND_CUDA = {
 EVERY_KIND_CUDA["llama3.1-8b+eagle3"] = EVERY_KIND_CUDA["llama3.1-8b+dflash"] = \
     EVERY_KIND_CUDA["llama3.1-8b+3.2-1b"]
 EVERY_KIND_CUDA["qwen3-4b+eagle3"] = EVERY_KIND_CUDA["qwen3-4b+dflash"] = \
-    EVERY_KIND_CUDA["qwen3-4b+0.6b"]
-EVERY_KIND_CUDA["qwen3-8b+dflash"] = EVERY_KIND_CUDA["qwen3-8b+0.6b"]
+    EVERY_KIND_CUDA["qwen3-4b+dspark"] = EVERY_KIND_CUDA["qwen3-4b+0.6b"]
+EVERY_KIND_CUDA["qwen3-8b+dflash"] = EVERY_KIND_CUDA["qwen3-8b+dspark"] = \
+    EVERY_KIND_CUDA["qwen3-8b+0.6b"]
 
 CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI print it
     "draft": "the catalogue's draft model for this target",
@@ -118,14 +125,19 @@ def test_the_chosen_drafter_says_why_and_each_other_why_not(catalogue, pair_id):
     assert plan.choice.reason == CHOICE_REASONS[plan.choice.kind]
     lines = plan.reasons()
     assert lines[0] == f"drafter: {plan.choice.label} ({plan.choice.reason})"
-    assert len(lines) == 1 + len(plan.refused) + len(plan.passed)
-    assert all(line.startswith("not ") for line in lines[1:])
-    assert all(f"ranked after {plan.choice.kind}" in line for line in lines[-len(plan.passed):])
+    assert len(lines) == 1 + len(plan.refused) + len(plan.passed) + 1
+    assert all(line.startswith("not ") for line in lines[1:-1])
+    assert all(f"ranked after {plan.choice.kind}" in line
+               for line in lines[-1 - len(plan.passed):-1])
+    # every kind of the order is named: considered, or said to be absent and why
+    named = {o.kind for o in (plan.choice, *plan.refused, *plan.passed, *plan.absent)}
+    assert named == {rank.kind for rank in planner.PREFERENCE}
+    assert lines[-1].startswith("none here: ")
 
 
-def test_preference_puts_mtp_first_then_shipped_heads_then_draft_models_then_no_model():
+def test_preference_puts_mtp_first_then_block_drafters_heads_draft_models_then_no_model():
     assert planner.preference("torch", "cuda") == (
-        "mtp", "dflash", "eagle3", "eagle", "medusa", "draft", "lookahead", "ngram")
+        "mtp", "dspark", "dflash", "eagle3", "eagle", "medusa", "draft", "lookahead", "ngram")
     assert planner.preference("torch", "cpu")[-2:] == ("ngram", "lookahead")
     assert planner.preference("mlx", "gpu")[-2:] == ("ngram", "lookahead")
 
@@ -137,13 +149,13 @@ def test_on_mlx_lookahead_runs_its_tree_and_ranks_after_lookup(catalogue):
     assert [o.kind for o in plan.passed] == ["lookahead"]
 
 
-def test_on_mlx_head_kinds_of_the_torch_backend_are_refused_and_eagle3_runs(catalogue):
+def test_on_mlx_the_dflash_drafter_is_picked_as_on_torch_and_mtp_is_refused(catalogue):
     plan = planner.plan("qwen3-4b", "mlx", "gpu", PLENTY, catalogue=catalogue)
-    assert plan.choice.label == "eagle3 eagle3-qwen3-4b"
-    torch_only = "runs on the torch backend only (mlx runs eagle3 and eagle heads): use " \
-                 "--backend torch"
-    assert ("dflash", f"drafter 'dflash' {torch_only}") in [(o.kind, o.reason)
-                                                            for o in plan.refused]
+    assert plan.choice.label == "dflash dflash-qwen3-4b"
+    assert plan.choice.label == planner.plan("qwen3-4b", "torch", "cuda", PLENTY,
+                                             catalogue=catalogue).choice.label
+    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle and dflash heads): " \
+                 "use --backend torch"
     plan = planner.plan("mimo-7b-rl", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert ("mtp", f"drafter 'mtp' {torch_only}") in [(o.kind, o.reason) for o in plan.refused]
 
@@ -162,7 +174,10 @@ def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path,
     assert smol.to_dict()["auto"]["choice"]["kind"] == "ngram"
     assert smol.to_dict()["auto"]["reasons"] == [
         f"drafter: ngram ({CHOICE_REASONS['ngram']})",
-        f"not lookahead: ranked after ngram ({CHOICE_REASONS['lookahead']})"]
+        f"not lookahead: ranked after ngram ({CHOICE_REASONS['lookahead']})",
+        "none here: mtp (the target carries no MTP layers); dspark, dflash, eagle3, eagle, "
+        "medusa (the catalogue ships none for this target); draft (the catalogue has no "
+        "smaller smollm2 model)"]
     text = store.models_table(rows, 4096, why=True)
     assert f"not medusa medusa-vicuna-7b: {PICKLE}" in text
     bench = Workbench(backend="torch", device="cpu")

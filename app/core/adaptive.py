@@ -62,6 +62,10 @@ class KController:
     # depth -> verify rows beyond a chain's depth + 1 (EMA): a tree drafter's steps priced
     # at k + 1 rows looked cheap and kept EAGLE-2 trees on at 0.6-0.7x plain (measured)
     extra_rows: dict[int, float] = field(default_factory=dict)
+    # context rows read before drafting (a draft model's prompt, or what it missed while off)
+    # and their seconds: read_pays prices a prompt read with them
+    read_rows: int = 0
+    read_s: float = 0.0
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
@@ -97,9 +101,10 @@ class KController:
         w, prior = self.prior_weight, self.prior_acceptance
         return [(a + w * prior) / (r + w) for a, r in zip(self._accepted, self._reached)]
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, acceptance: list[float] | None = None) -> float:
+        """Tokens a step of depth k commits, by the estimates (or the acceptance given)."""
         total, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in (self.acceptance() if acceptance is None else acceptance)[:k]:
             survive *= a
             total += survive
         return total
@@ -130,7 +135,14 @@ class KController:
         return max([k + 1, *shallower])
 
     def verify_cost(self, rows: float) -> float:
-        """Measured cost of a forward over `rows` tokens, interpolated between known sizes."""
+        """Measured cost of a forward over `rows` tokens, interpolated between known sizes.
+
+        One row is the least work of any forward, so its cost is capped by the cheapest
+        forward measured: one slow plain step (79 ms among 39-45 ms ones) had raised it above
+        the two-row cost and kept the default pair's chain drafting at a loss.
+        """
+        if rows <= 1 and self.verify_s:
+            return min(self.verify_s.values())
         if rows in self.verify_s:
             return self.verify_s[rows]
         known = sorted(self.verify_s)
@@ -148,6 +160,25 @@ class KController:
             slope = ((self.verify_s[lo] - self.verify_s[prev]) / (lo - prev)) if prev else 0.0
             return self.verify_s[lo] + max(slope, 0.0) * (rows - lo)
         return self.verify_s[above[0]]
+
+    def read_pays(self, rows: int, horizon: int) -> bool:
+        """Whether reading `rows` of context before the next draft (a draft model's prompt,
+        or what it missed while off) can be repaid within `horizon` more tokens: what the
+        best k saves per committed token over plain, times horizon, against the read's cost
+        at the rows' measured price. An exploration asks it of a text as good as the prior:
+        a catch-up read costs a share of the plain stretch it follows (a 0.5B draft's rows:
+        about 7% of the 1.5B target's steps), so exploring where even a good text could not
+        repay it lost that share of every reply.
+
+        True while drafting or reading is unpriced (the first read measures both). A 0.5B
+        draft reading a 512-token window took 1.3 s of a rag reply's 8, to draft a dozen tokens.
+        """
+        if rows <= 0 or self.draft_token_s is None or not self.read_rows:
+            return True
+        acceptance = [self.prior_acceptance] * self.k_max if self._exploring else None
+        per_token = min((self.step_seconds(k) / self.expected_tokens(k, acceptance)
+                         for k in range(1, self.k_max + 1)), default=self.step_seconds(0))
+        return (self.step_seconds(0) - per_token) * horizon > rows * self.read_s / self.read_rows
 
     def choose(self) -> int:
         """The k with the most expected tokens per second; 0 when speculation does not pay."""
@@ -191,17 +222,25 @@ class KController:
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str = "", rows: int | None = None,
-                catch_up_s: float = 0.0) -> None:
+                catch_up_s: float = 0.0, catch_up_rows: int = 0,
+                reads_prompt: bool = False) -> None:
         """Fold one step's outcome and timings into the estimates.
 
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
         a tree (n_drafted is then its depth and n_accepted its accepted path), else
-        n_drafted + 1. catch_up_s: what the drafter spent reading context it had missed (the
-        prompt, or the tokens of a plain stretch): charged to the exploration that paid it,
-        never to the per-step overhead, where plain steps carried it too, so drafting looked
-        relatively cheaper.
+        n_drafted + 1. draft_s: drafting time without catch-up. catch_up_s, catch_up_rows:
+        what the drafter spent reading context it had missed (the prompt, or the tokens of a
+        plain stretch), and how many rows: they price later reads (read_pays), and unless it
+        was this reply's prompt (paid once a reply however drafting goes) the time is charged
+        to the exploration that paid it, never to the per-step overhead, where plain steps
+        carried it too, so drafting looked relatively cheaper.
         """
         rows = rows or n_drafted + 1
+        if catch_up_rows:
+            self.read_rows += catch_up_rows
+            self.read_s += catch_up_s
+        if reads_prompt:
+            catch_up_s = 0.0
         # kept as rows beyond depth + 1: a chain's stay exactly 0, so its k is priced at
         # exactly the probed k + 1 rows (an EMA of k + 1 itself may round off them)
         if n_drafted:
@@ -211,7 +250,7 @@ class KController:
         if self._retiming and not n_drafted:
             self._retime(old, verify_s)
         else:
-            self.verify_s[rows] = _ema(old, verify_s)
+            self.verify_s[rows] = _settle(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
             # catch-up reads stay out of the cost per token: in a run that priced them in (and
@@ -254,6 +293,13 @@ class KController:
         for j in range(self.k_max):
             self._reached[j] *= factor
             self._accepted[j] *= factor
+
+
+def _settle(old: float | None, new: float) -> float:
+    """A forward's cost: a faster time moves it ten times as much as a slower one. Another
+    process or a draft's forward only ever slows a step; averaged evenly, one-row costs on the
+    default pair wandered 33-62 ms around a true 38-40 and decided whether drafting paid."""
+    return _ema(old, new, 0.5 if old is None or new < old else 0.05)
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:

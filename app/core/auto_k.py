@@ -1,8 +1,9 @@
 """AutoK: k="auto" for one generate call, with a k controller per member of a chain.
 
 Knows: the Drafter protocol, a chain's `members` (cheap lookups first, a model last: see
-app/drafters/chain.py), one KController per member, which member drafts a step. Must not
-know: verification, models, timing (the engine measures and hands the times in).
+app/drafters/chain.py), one KController per member, which member drafts a step, and the
+context rows a member reads before its next draft (`unread_rows`, where it has them).
+Must not know: verification, models, timing (the engine measures and hands the times in).
 
 Why per member: one controller priced a chain's k with its dearest member, so a head that did
 not pay (18% acceptance) turned speculation off for the chain, and with it the lookup that
@@ -69,6 +70,8 @@ class AutoK:
             self._asked.append(controller)
             self._said.append(controller.choose())
             k = min(self._said[-1], cap)
+            if k > 0 and not controller.read_pays(_unread(member, context), cap):
+                self._said[-1] = k = 0  # its read would cost more than drafting can save
             if k <= 0:
                 continue
             draft = member.propose(context, k).within(k)
@@ -80,12 +83,21 @@ class AutoK:
         return Draft()
 
     def observe(self, depth: int, n_accepted: int, draft_s: float, verify_s: float,
-                other_s: float, source: str, rows: int, catch_up_s: float = 0.0) -> None:
+                other_s: float, source: str, rows: int, catch_up_s: float = 0.0,
+                catch_up_rows: int = 0, reads_prompt: bool = False) -> None:
         """The step's outcome, to the controller that drafted it, or else (a plain step) to
         every controller that chose this step."""
         if self._drafting is not None:
             self._drafting.observe(depth, n_accepted, draft_s, verify_s, other_s,
-                                   source=source, rows=rows, catch_up_s=catch_up_s)
+                                   source=source, rows=rows, catch_up_s=catch_up_s,
+                                   catch_up_rows=catch_up_rows, reads_prompt=reads_prompt)
             return
         for controller in self._asked:
             controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1)
+
+
+def _unread(member: Drafter, context: Sequence[int]) -> int:
+    """The context rows a member reads before its next draft: a draft model says
+    (`unread_rows`); drafters that read nothing, or read it for free, do not."""
+    unread = getattr(member, "unread_rows", None)
+    return unread(context) if unread is not None else 0

@@ -335,8 +335,9 @@ class SpecEngine:
             # the stop rules and text after t3 are this step's overhead
             call.auto.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
                               time.perf_counter() - t3, source=draft.source,
-                              rows=len(draft.tokens) + 1,
-                              catch_up_s=0.0 if draft.reads_prompt else draft.catch_up_s)
+                              rows=len(draft.tokens) + 1, catch_up_s=draft.catch_up_s,
+                              catch_up_rows=draft.catch_up_rows,
+                              reads_prompt=draft.reads_prompt)
         return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
                            n_drafted=len(draft.tokens), reason=reason)
 

@@ -72,6 +72,7 @@ class Draft:
     # without drafting or drafted by another chain member): the k controller charges it to
     # an exploration's check of whether drafting paid, never to its per-step estimates
     catch_up_s: float = 0.0
+    catch_up_rows: int = 0  # the context rows that catch-up read
     # the catch-up was this reply's prompt, read on first drafting: paid once a reply however
     # drafting goes, so not charged to that check either
     reads_prompt: bool = False

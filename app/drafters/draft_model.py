@@ -70,29 +70,52 @@ class DraftModelDrafter:
         if 0 < self.vocab_limit < self._vocab // 2:
             keep = {*range(self.vocab_limit), *self._always, *prompt_ids}
             self._session.restrict_vocab(sorted(i for i in keep if i < self._vocab))
-        if self._start >= len(prompt_ids) or len(prompt_ids) - self._start > 2 * DRAFT_CONTEXT:
-            self._start = max(0, len(prompt_ids) - DRAFT_CONTEXT)
+        self._start = self._window_start(prompt_ids)
         # the prompt is read when this drafter first drafts (as catch-up), not now: a reply
         # whose k controller keeps the model off never pays for it (a chat prompt cost the
         # 0.5B Qwen 0.2 s of every request, read and never drafted from)
         self._prompt_unread = True
 
+    def _window_start(self, prompt_ids: Sequence[int]) -> int:
+        """Where the window begins for this prompt: at its last DRAFT_CONTEXT tokens, unless
+        the cache holds the start of this prompt's window already (a chat's next turn) and
+        reading the rest costs no more than a fresh window, within twice the window. An
+        unrelated prompt of 512-1,024 tokens kept an older prompt's start and was read whole
+        (spec-bench rag: 2.6 s of the 0.5B Qwen before its first draft)."""
+        fresh = max(0, len(prompt_ids) - DRAFT_CONTEXT)
+        window = len(prompt_ids) - self._start
+        if not 0 < window <= 2 * DRAFT_CONTEXT:
+            return fresh
+        shared = common_prefix_length(self._session.tokens, prompt_ids[self._start:])
+        return self._start if shared and window - shared <= DRAFT_CONTEXT else fresh
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft()
         feed = self._align(context[self._start:])
-        caught_up = 0.0
+        caught_up, read = 0.0, 0
         # after steps without drafting, read the missed tokens apart from drafting, so their
         # cost is reported as catch-up (a step normally feeds 1-2 tokens: d_k and the bonus)
         if len(feed) > CATCH_UP_ROWS:
             t0 = time.perf_counter()
             self._catch_up(feed[:-1])
-            feed = feed[-1:]
+            read, feed = len(feed) - 1, feed[-1:]
             caught_up = time.perf_counter() - t0
         reads_prompt, self._prompt_unread = self._prompt_unread and caught_up > 0, False
         tokens, probs = self._draft(feed, k)
         return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up,
-                     reads_prompt=reads_prompt)
+                     catch_up_rows=read, reads_prompt=reads_prompt)
+
+    def unread_rows(self, context: Sequence[int]) -> int:
+        """The context rows the next draft reads before drafting (this reply's prompt, or
+        what steps without drafting committed; 0 when only the usual 1-2 are new): the k
+        controller weighs them against what drafting can save in the reply's budget."""
+        if self._start >= len(context):
+            return 0
+        feed = len(context) - self._start - min(
+            common_prefix_length(self._session.tokens, context[self._start:]),
+            len(context) - self._start - 1)
+        return feed - 1 if feed > CATCH_UP_ROWS else 0
 
     def _catch_up(self, feed: list[int]) -> None:
         if feed:

@@ -111,6 +111,7 @@ class PairStatus:
                 "backend": self.backend, "installed": self.installed, "note": self.note,
                 "download_bytes": self.download_bytes, "download_exact": self.download_exact,
                 "disk_bytes": self.disk_bytes,
+                "unverified": list(p.unverified(self.backend)),
                 "fit": self.fit.to_dict() if self.fit else None,
                 "auto": _plan_dict(self.plan)}
 
@@ -537,7 +538,8 @@ def _models_command(args: Any) -> int:
 
 def models_table(rows: list[PairStatus], context: int, why: bool = False) -> str:
     """The `specdeck models` text table (also what the UI can show verbatim); AUTO is what
-    --drafter auto runs with what is downloaded now; why: the planner's reasons under each."""
+    --drafter auto runs with what is downloaded now; under a pair, its sources marked
+    unverified; why: the planner's reasons and the pair's memory rows under each."""
     if not rows:
         return "the catalogue lists no pairs"
     fit = next((r.fit for r in rows if r.fit), None)
@@ -556,6 +558,10 @@ def models_table(rows: list[PairStatus], context: int, why: bool = False) -> str
                      f"{r.pair.k:>2} {','.join(r.pair.backends):10} {size:>10} {disk:>9} "
                      f"{memory:>9}  "
                      f"{r.fit.summary() if r.fit else '-'}")
+        lines += [f"    unverified: {note}" for note in r.pair.unverified(r.backend)]
         if why and r.plan:
             lines += [f"    {line}" for line in r.plan.reasons()]
+        if why and r.fit:
+            lines.append(f"    memory with {r.pair.drafter_kind}: "
+                         + "; ".join(f"{k} {v}" for k, v in r.fit.rows()))
     return "\n".join(lines)

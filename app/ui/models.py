@@ -25,7 +25,8 @@ from app.ui.train import build_train_controls
 from app.ui.workbench import Choice, Workbench
 
 COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "memory",
-           "backends", "context plain / spec", "streams plain / spec")
+           "drafter weights", "KV / token target + drafter", "backends",
+           "context plain / spec", "streams plain / spec")
 FIT_CONTEXT = 4096  # the per-stream context the stream counts assume
 
 
@@ -81,8 +82,13 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
         if bench.pair_id == p.id:
             status += ", loaded"
         size = human_bytes(r.download_bytes) + ("" if r.download_exact else " (est.)")
+        if p.unverified(r.backend):
+            size += " (unverified id)"  # the card names the source and why
         fit = r.fit
         memory = human_bytes(fit.memory_bytes) if fit is not None else "—"
+        drafter_weights = human_bytes(fit.drafter_weights_bytes) if fit is not None else "—"
+        kv = (f"{human_bytes(fit.target_kv_per_token)} + {human_bytes(fit.drafter_kv_per_token)}"
+              if fit is not None else "—")
         if fit is None:
             context = streams = "—"
         elif not fit.target_fits:
@@ -93,7 +99,7 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
         auto = r.plan.choice.kind if r.plan else "—"  # the card says why
         rows.append((p.id, drafter, auto, str(p.k), status, size,
                      human_bytes(r.disk_bytes) if r.disk_bytes else "—", memory,
-                     ", ".join(p.backends), context, streams))
+                     drafter_weights, kv, ", ".join(p.backends), context, streams))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
@@ -117,6 +123,9 @@ def pair_details(bench: Workbench, pair_id: str | None) -> str:
     rows = [("name", p.name), ("license", p.license), ("target", p.target.id),
             ("drafter", p.drafter_kind + (f" {p.drafter.id}" if p.drafter else "")),
             ("status", state), ("memory fit", status.fit.summary() if status.fit else "—")]
+    rows += [(f"{label} ({p.drafter_kind})", value)
+             for label, value in (status.fit.rows() if status.fit else [])]
+    rows += [("unverified", note) for note in p.unverified(status.backend)]
     cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                     for k, v in rows)
     plan_items = "".join(f"<li>{html.escape(line)}</li>" for line in reasons)

@@ -274,7 +274,7 @@ def _head_kind(head: str | None, auto_kind: Choice | None) -> str | None:
         return None
     if auto_kind is not None and auto_kind.kind in drafters.HEADS:
         return BY_NAME[auto_kind.kind].built_as
-    from backends.torch.heads.eagle_format import head_kind
+    from backends.heads.eagle_format import head_kind
     return head_kind(head)
 
 
@@ -290,5 +290,5 @@ def _mtp_layers(target_path: str) -> int:
 
 def _is_head(path: str) -> bool:
     """An EAGLE head folder (read from its config and safetensors header, no torch)."""
-    from backends.torch.heads.eagle_format import head_kind
+    from backends.heads.eagle_format import head_kind
     return head_kind(path) is not None

@@ -247,32 +247,39 @@ class MlxBackend:
 
     def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
-        """A draft model's drafter ("draft"), or an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle")
-        head drafter from its folder, checked against the target; the heads draft chains only
-        (RUNS.head_trees: the check refuses tree=True), though a target verifies the trees of
-        the model-free drafters."""
+        """A draft model's drafter ("draft"), an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head
+        drafter or a DFlash block drafter ("dflash") from its folder, checked against the
+        target (tree=True: the EAGLE heads draft EAGLE-2 dynamic trees, which the target
+        verifies through backends/mlx/tree.py)."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
         if kind == "draft":
             from backends.mlx.drafters import DraftModelDrafter
 
             return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-        return _eagle_drafter(kind, target, head)
+        if kind == "dflash":
+            from backends.mlx.heads.dflash import load_dflash_drafter
+
+            return load_dflash_drafter(target, head)
+        return _eagle_drafter(kind, target, head, tree)
 
 
-def _eagle_drafter(kind: str, target: MlxModel, path: str) -> Any:
+def _eagle_drafter(kind: str, target: MlxModel, path: str, tree: bool) -> Any:
     """The head from its folder, checked against the target."""
-    from backends.head_rows import CHAIN_MIN_CONFIDENCE
+    from backends.heads.eagle_drafter import EagleDrafter, TargetParts
+    from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
+    from backends.mlx.arrays import MlxArrays
     from backends.mlx.heads.eagle import load_eagle_head, target_parts
-    from backends.mlx.heads.eagle_drafter import MlxEagleDrafter
 
-    _, final_norm, _ = target_parts(target.net, target.name)  # never quantized: H wide
+    embed, final_norm, output = target_parts(target.net, target.name)
     head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
-                                 hidden_size=int(final_norm.weight.shape[-1]),
+                                 hidden_size=int(final_norm.weight.shape[-1]),  # never quantized
                                  vocab_size=target.vocab_size,
                                  n_layers=target.n_layers,
                                  dtype=_stored_dtype(target.net))
-    return MlxEagleDrafter(target, head, spec, min_confidence=CHAIN_MIN_CONFIDENCE)
+    parts = TargetParts(embed, final_norm, output, int(target.vocab_size), target.n_layers)
+    return EagleDrafter(head, spec, MlxArrays(target.stream), parts, tree=tree,
+                        min_confidence=CHAIN_MIN_CONFIDENCE)
 
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:

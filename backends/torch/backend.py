@@ -286,9 +286,10 @@ class TorchBackend:
             from backends.torch.heads.medusa import load_medusa_drafter
 
             return load_medusa_drafter(target, path)
-        from backends.head_rows import CHAIN_MIN_CONFIDENCE
+        from backends.heads.eagle_drafter import EagleDrafter, TargetParts
+        from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
+        from backends.torch.arrays import TorchArrays
         from backends.torch.heads.eagle import load_eagle_head
-        from backends.torch.heads.eagle_drafter import EagleDrafter
 
         config = target.hf.config.get_text_config()
         head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
@@ -303,7 +304,11 @@ class TorchBackend:
             # acceptance from 0.109 to 0.087 for one SmolLM2-135M head (spec-bench), though
             # not for a longer-trained one (0.112 either way)
             quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
-        return EagleDrafter(target, head, spec, tree=tree, min_confidence=CHAIN_MIN_CONFIDENCE)
+        hf = target.hf
+        parts = TargetParts(hf.get_input_embeddings(), getattr(hf.model, "norm", None),
+                            hf.get_output_embeddings(), int(target.vocab_size), target.n_layers)
+        return EagleDrafter(head, spec, TorchArrays(target.device), parts, tree=tree,
+                            min_confidence=CHAIN_MIN_CONFIDENCE)
 
 
 def _load_hf(path: Path, dtype: str, torch_dtype: torch.dtype,

@@ -1,61 +1,29 @@
-"""What DFlash 2 adds to a DFlash block drafter: convolutions around each sublayer and a
-candidate selector that walks the target head's top-K (PyPI dflash 0.1.0, HEADS.md §11.5).
+"""What DFlash 2 adds to a torch DFlash model: convolutions around each sublayer and the
+candidate selector's weights (PyPI dflash 0.1.0, HEADS.md §11.5).
 
-Knows: the DFlash 2 config keys (`dflash_config.{conv_kernel_size, conv_group_size,
-selector_rank, selector_top_k}`, optional `output_multiplier`, `final_logit_softcapping`), the
-tensors they add and the two computations. Must not know: the checkpoint's files, the draft
-layers' attention, the engine's loop.
+Knows: the tensors DFlash 2 adds and the convolution. Must not know: the checkpoint's files
+and config keys (backends/heads/dflash_format.py), the draft layers' attention, the selector's
+walk (backends/heads/dflash_drafter.py), the engine's loop.
 
 The convolution is grouped, dynamic, causal and depthwise over the block rows only: row t mixes
 rows t, t-1, ..., t-K+1 of the block (zeros before its first row), channel c weighted by
 base[o, c] plus a per-row dynamic weight of c's group, itself projected from the sublayer's
 normalised input. Before a sublayer it runs with the first kernel pair; the second pair,
 projected from the same input, runs on the sublayer's output.
-
-The selector scores slot j's K candidates as unary logit + <A[previous] * P h_j, B[candidate]>,
-previous being the anchor for slot 0, then the candidate walked to: argmax when greedy, else a
-draw from softmax(scores / T), whose row over the vocabulary (zeros off the candidates) is the
-q the engine's rejection test needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from app.core.sampling import sample
-from app.core.types import SamplingParams
+from backends.heads.dflash_format import DFlash2Config, module_names
 
-CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-@dataclass(frozen=True)
-class DFlash2Config:
-    """The DFlash 2 shape: convolution kernel and group, selector rank and candidates."""
-
-    kernel_size: int
-    group_size: int
-    rank: int
-    top_k: int
-    output_multiplier: float = 1.0
-    softcap: float = 0.0
-
-    @classmethod
-    def read(cls, value: Any) -> DFlash2Config:
-        """From a `key -> dflash_config or top-level value` lookup; KeyError names a key
-        that is absent."""
-        missing = [key for key in CONFIG_KEYS if value(key) is None]
-        if missing:
-            raise KeyError(", ".join(missing))
-        return cls(int(value("conv_kernel_size")), int(value("conv_group_size")),
-                   int(value("selector_rank")), int(value("selector_top_k")),
-                   float(value("output_multiplier") or 1.0),
-                   float(value("final_logit_softcapping") or 0.0))
+__all__ = ["CandidateSelector", "DFlash2Config", "GroupedCausalConv", "add_dflash2",
+           "dflash2_names"]
 
 
 class GroupedCausalConv(torch.nn.Module):
@@ -97,45 +65,6 @@ class CandidateSelector(torch.nn.Module):
         self.successor_codebook = torch.nn.Parameter(torch.zeros(vocab, shape.rank))
         self.hidden_projection = torch.nn.Linear(hidden, shape.rank, bias=False)
 
-    def shaped(self, logits: torch.Tensor) -> torch.Tensor:
-        """The target head's logits as the drafter was trained on them."""
-        logits = logits * self.shape.output_multiplier
-        cap = self.shape.softcap
-        return torch.tanh(logits / cap) * cap if cap > 0 else logits
-
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int,
-             params: SamplingParams, rng: np.random.Generator
-             ) -> tuple[tuple[int, ...], np.ndarray | None]:
-        """hidden [k, H] and logits [k, V] of the draft slots -> the k tokens walked and, when
-        sampling, q [k, V] (each row given the tokens before it); None when greedy."""
-        unary, candidates = torch.topk(self.shaped(logits), min(self.shape.top_k,
-                                                                logits.shape[-1]), dim=-1)
-        projected = self.hidden_projection(hidden)
-        successors = self.successor_codebook[candidates]  # [k, K, r]
-        previous, tokens, rows = anchor, [], []
-        for slot in range(len(hidden)):
-            query = self.predecessor_codebook[previous] * projected[slot]
-            scores = unary[slot] + successors[slot] @ query
-            index, row = self._choose(scores, candidates[slot], logits.shape[-1], params, rng)
-            previous = int(candidates[slot, index])
-            tokens.append(previous)
-            rows.append(row)
-        return tuple(tokens), None if params.greedy else np.stack(rows)
-
-    @staticmethod
-    def _choose(scores: torch.Tensor, candidates: torch.Tensor, vocab: int,
-                params: SamplingParams, rng: np.random.Generator
-                ) -> tuple[int, np.ndarray | None]:
-        if params.greedy:
-            return int(scores.argmax()), None
-        x = scores.double().cpu().numpy() / params.temperature
-        q = np.exp(x - x.max())
-        q /= q.sum()
-        index = sample(q, rng)
-        row = np.zeros(vocab)
-        row[candidates.cpu().numpy()] = q
-        return index, row
-
 
 def add_dflash2(model: torch.nn.Module, vocab: int, hidden: int, shape: DFlash2Config) -> None:
     """Give a DFlash model's layers their convolutions and the model its selector."""
@@ -147,5 +76,4 @@ def add_dflash2(model: torch.nn.Module, vocab: int, hidden: int, shape: DFlash2C
 
 def dflash2_names(state: Mapping[str, Any]) -> dict[str, Any]:
     """Published checkpoints store the codebooks without `.weight`; both spellings load."""
-    return {key.removesuffix(".weight") if key.endswith("_codebook.weight") else key: value
-            for key, value in state.items()}
+    return module_names(state)

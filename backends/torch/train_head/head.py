@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.torch.heads.eagle import Eagle3Head, new_eagle3_spec
+from backends.heads.eagle_format import new_eagle3_spec
+from backends.torch.heads.eagle import Eagle3Head
 
 
 def new_head(config: Any, draft_ids: torch.Tensor, name: str = "trained") -> Eagle3Head:

@@ -1,10 +1,11 @@
 """HeadRows: the bookkeeping an EAGLE head drafter keeps so its KV cache follows the accepted
-path, shared by the torch and MLX drafters.
+path (backends/heads/eagle_drafter.py, on either backend).
 
 Knows: the Drafter protocol's begin/accept calls and their StepFeed (the engine's kept rows,
 their positions and the token after each), and the alignment of HEADS.md 1.2-1.3 (the head
 row at position t reads the target's state at t and the embedding of token t + 1). Must not
-know: an array library (a subclass joins arrays), the head's modules, drafting.
+know: an array library (`arrays`, backends/arrays, joins the states), the head's modules,
+drafting.
 
 State: committed head rows (`_rows`, their positions; `_past`, the head's KV per layer as
 [batch, heads, rows, dim] pairs), the feeds that arrived since the last propose (`_pending`),
@@ -27,8 +28,9 @@ CHAIN_MIN_CONFIDENCE = 0.2
 
 
 class HeadRows:
-    """Where the head's rows stand; subclasses supply `_join` for their arrays."""
+    """Where the head's rows stand; a subclass sets `arrays` (backends/arrays.Arrays)."""
 
+    arrays: Any
     capture_layers: tuple[int, ...] = ()
     min_confidence = 0.0
 
@@ -71,7 +73,7 @@ class HeadRows:
         if not self._pending:
             return None
         feeds, self._pending = self._pending, []
-        layers = {i: self._join([f.hidden_states[i] for f in feeds])
+        layers = {i: self.arrays.concat([f.hidden_states[i] for f in feeds])
                   for i in self.capture_layers}
         return layers, [t for f in feeds for t in f.following], feeds[0].start
 
@@ -86,6 +88,3 @@ class HeadRows:
         self._rows = self._rows[:keep]
         if self._past is not None:
             self._past = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._past]
-
-    def _join(self, parts: list[Any]) -> Any:
-        raise NotImplementedError

@@ -257,6 +257,24 @@ def module_name(stored: str, spec: EagleSpec) -> str | None:
     return stored
 
 
+VOCAB_MAPS = ("d2t", "t2d")  # stored by heads with a draft vocabulary; absent: identity
+
+
+def head_tensors(stored: dict[str, Any], spec: EagleSpec) -> dict[str, Any]:
+    """A head file's tensors under the head module's names, those it does not use left out."""
+    return {renamed: tensor for name, tensor in stored.items()
+            if (renamed := module_name(name, spec)) is not None}
+
+
+def check_tensor_names(spec: EagleSpec, wanted: set[str], stored: set[str]) -> None:
+    """Refuse a file whose tensors are not the head's (the vocabulary maps may be absent)."""
+    missing = sorted(wanted - stored - set(VOCAB_MAPS))
+    unexpected = sorted(stored - wanted)
+    if missing or unexpected:
+        raise SpecdeckError(f"{spec.name}'s tensors do not match its config: missing "
+                            f"{missing[:6]}, unexpected {unexpected[:6]}")
+
+
 def check_vocab_map(spec: EagleSpec, lowest: int, highest: int, marked: int) -> None:
     """Refuse a damaged draft-vocabulary map: d2t sends draft ids to target ids lowest ..
     highest; t2d marks `marked` target ids (0: not stored)."""
@@ -287,3 +305,51 @@ def check_target(spec: EagleSpec, target_name: str, hidden_size: int, vocab_size
         named = f" (made for {spec.verifier})" if spec.verifier else ""
         raise SpecdeckError(f"the head {spec.name}{named} does not fit the target {target_name}: "
                             f"{'; '.join(problems)}. Use a head trained for {target_name}")
+
+
+def new_eagle3_spec(name: str, *, target_hidden_size: int, vocab_size: int,
+                    draft_vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    intermediate_size: int, rms_norm_eps: float = 1e-6,
+                    rope_theta: float = 10000.0, max_position_embeddings: int = 2048,
+                    hidden_size: int | None = None, layer_ids: tuple[int, ...] | None = None,
+                    own_embed: bool = False) -> EagleSpec:
+    """The spec of a fresh EAGLE-3 head (authors' layout). layer_ids: capture-before hidden
+    state ids; None = the default rule [2, N//2, N-3]."""
+    return EagleSpec(
+        kind="eagle3", layout="midlayer", name=name,
+        hidden_size=hidden_size or target_hidden_size, target_hidden_size=target_hidden_size,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, rms_norm_eps=rms_norm_eps, hidden_act="silu",
+        vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        rope={"rope_type": "default", "rope_theta": float(rope_theta)},
+        layer_ids=layer_ids, own_embed=own_embed)
+
+
+def eagle3_config(spec: EagleSpec) -> dict[str, Any]:
+    """config.json of the authors' layout. Layer ids, when not the default rule, are written
+    in SpecForge's output-of-layer convention (id - 1) under eagle_config, which SGLang reads
+    as such; vLLM reads those ids as boundaries, so heads on default layers write none."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "num_hidden_layers": 1, "rms_norm_eps": spec.rms_norm_eps,
+        "hidden_act": spec.hidden_act, "vocab_size": spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": spec.rope.get("rope_theta", 10000.0), "tie_word_embeddings": False,
+        "attention_bias": spec.attention_bias,
+    }
+    if spec.target_hidden_size != spec.hidden_size:
+        config["target_hidden_size"] = spec.target_hidden_size
+    if spec.layer_ids:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": _written_ids(spec)}
+    return config
+
+
+def _written_ids(spec: EagleSpec) -> list[int]:
+    """Ids that read back to the same layers under read_eagle_spec's rule (and SGLang PR
+    #25454's): output-of-layer ids when the first is below 2, boundary ids otherwise."""
+    boundary = sorted(i + 1 if spec.ids_add_one else i for i in (spec.layer_ids or ()))
+    return [i - 1 for i in boundary] if boundary[0] - 1 < 2 else boundary

@@ -1,12 +1,16 @@
-"""DSpark block drafters: a tiny random drafter in DeepSpec's layout proposes, round by round,
-the blocks and confidences DeepSpec's own decoding loop proposed (golden values made by
-tests/fixtures/dspark/make_golden.py), with its confidence cut-off too; speculators' DSpark
-format loads the same drafter; the cut-off changes which tokens are verified, never the output;
-checkpoints it cannot run are refused naming why, and a DeepSeek-V4 checkpoint's DSpark stages
-are never taken for MTP layers. (Greedy oracle and sampled law: tests/test_dflash.py.)"""
+"""DSpark block drafters, on torch and on MLX (its CPU build here): a tiny random drafter in
+DeepSpec's layout proposes, round by round, the blocks and confidences DeepSpec's own decoding
+loop proposed (golden values made by tests/fixtures/dspark/make_golden.py), with its
+confidence cut-off too; both backends draft the same blocks; speculators' DSpark format loads
+the same drafter; speculative output equals plain decoding (greedy oracle at k 1, 2, 4, 7;
+sampled output keeps the target's law); the cut-off changes which tokens are verified, never
+the output; checkpoints it cannot run are refused naming why, and a DeepSeek-V4 checkpoint's
+DSpark stages are never taken for MTP layers."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -18,23 +22,43 @@ torch = pytest.importorskip("torch")
 
 from app.catalogue.planner import arch_from_config  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
+from app.core.sampling import warp  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
-from app.drafters.kinds import check  # noqa: E402
-from backends.mlx import RUNS as MLX_RUNS  # noqa: E402
-from backends.torch.backend import TorchBackend  # noqa: E402
-from backends.torch.heads.dspark import load_dspark_drafter  # noqa: E402
+from backends import load_backend  # noqa: E402
 from backends.torch.heads.mtp import detect_mtp  # noqa: E402
+from tests.distributions import assert_follows  # noqa: E402
+from tests.marks import heavy  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dspark"
 TARGET = Path(__file__).parent / "fixtures" / "dflash" / "target"
 GOLDEN = json.loads((FIX / "golden.json").read_text())
 RUNS = {run["threshold"]: run for run in GOLDEN["runs"]}
+needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
+                               reason="mlx-lm is not installed")
+BACKENDS = ("torch", pytest.param("mlx", marks=needs_mlx))
+
+
+def load_target(name: str):
+    return load_backend(name).load(str(TARGET), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def on(request):
+    """(backend, its target) for each backend."""
+    return load_backend(request.param), load_target(request.param)
 
 
 @pytest.fixture(scope="module")
 def target():
-    return TorchBackend().load(str(TARGET), device="cpu", dtype="float32")
+    return load_target("torch")
+
+
+def dspark(on, folder: str | Path = FIX / "drafter", threshold: float = 0.0):
+    """The DSpark drafter of a folder on `on`'s target, cut at `threshold`."""
+    backend, target = on
+    module = importlib.import_module(f"backends.{backend.name}.heads.dspark")
+    return module.load_dspark_drafter(target, str(folder), threshold)
 
 
 class Recording:
@@ -62,9 +86,10 @@ def generate(target, drafter, k=4, max_new_tokens=24):
 
 
 @pytest.mark.parametrize("threshold", sorted(RUNS))
-def test_each_round_drafts_the_tokens_deepspec_drafted(target, threshold):
+def test_each_round_drafts_the_tokens_deepspec_drafted(on, threshold):
+    _, target = on
     golden = RUNS[threshold]
-    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter"), threshold))
+    drafter = Recording(dspark(on, threshold=threshold))
     events = generate(target, drafter)
     assert list(GOLDEN["prompt"]) + list(events[-1].token_ids) == golden["output_ids"]
     steps = [e for e in events if isinstance(e, Step)][1:]  # after the prefill's token
@@ -74,15 +99,17 @@ def test_each_round_drafts_the_tokens_deepspec_drafted(target, threshold):
         [r["proposed"] for r in golden["rounds"]][:rounds]
 
 
-def test_the_draft_carries_the_confidence_heads_prefix_survival(target):
+def test_the_draft_carries_the_confidence_heads_prefix_survival(on):
+    _, target = on
     golden = RUNS[0.0]["rounds"]
-    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter")))
+    drafter = Recording(dspark(on))
     generate(target, drafter)
     for draft, round_ in zip(drafter.drafts[:len(golden) - 1], golden):
         assert draft.survival == pytest.approx(np.cumprod(round_["confidence"]), rel=1e-4)
 
 
-def test_the_speculators_format_loads_the_same_drafter(target, tmp_path):
+def test_the_speculators_format_loads_the_same_drafter(on, tmp_path):
+    _, target = on
     folder = tmp_path / "speculators"
     shutil.copytree(FIX / "drafter", folder)
     raw = json.loads((folder / "config.json").read_text())
@@ -96,7 +123,7 @@ def test_the_speculators_format_loads_the_same_drafter(target, tmp_path):
         "mask_token_id": raw["mask_token_id"], "markov_rank": raw["markov_rank"],
         "aux_hidden_state_layer_ids": [i + 1 for i in raw["target_layer_ids"]],
         "draft_vocab_size": raw["vocab_size"]}))  # sample_from_anchor absent: True
-    drafter = Recording(load_dspark_drafter(target, str(folder)))
+    drafter = Recording(dspark(on, folder))
     generate(target, drafter)
     golden = RUNS[0.0]["rounds"]
     assert [list(d.tokens) for d in drafter.drafts][:len(golden) - 1] == \
@@ -104,10 +131,11 @@ def test_the_speculators_format_loads_the_same_drafter(target, tmp_path):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_the_confidence_cut_off_changes_which_tokens_are_verified_never_the_output(target, k):
+def test_the_confidence_cut_off_changes_which_tokens_are_verified_never_the_output(on, k):
+    _, target = on
     outputs, drafted = [], []
     for threshold in (0.0, 0.5, 0.9):
-        drafter = load_dspark_drafter(target, str(FIX / "drafter"), threshold)
+        drafter = dspark(on, threshold=threshold)
         done = generate(target, drafter, k=k, max_new_tokens=30)[-1]
         outputs.append(done.token_ids)
         drafted.append(done.stats.drafted)
@@ -115,15 +143,65 @@ def test_the_confidence_cut_off_changes_which_tokens_are_verified_never_the_outp
     assert drafted[0] > drafted[1] > drafted[2]
 
 
-def test_dspark_runs_through_the_factory_and_mlx_refuses_it_with_the_reason(target):
-    drafter = build_drafter("dspark", target, backend=TorchBackend(),
-                            head=str(FIX / "drafter"))
+def test_dspark_runs_through_each_backends_factory(on):
+    backend, target = on
+    drafter = build_drafter("dspark", target, backend=backend, head=str(FIX / "drafter"))
     assert drafter.name == "dspark" and drafter.max_drafts == 4  # row j: anchor + j + 1
-    refusal = check("dspark", MLX_RUNS, has_head=True)
-    assert refusal is not None and "runs on the torch backend only" in refusal.message
 
 
-def test_a_folder_missing_a_tensor_is_refused_naming_it(target, tmp_path):
+@needs_mlx
+@pytest.mark.parametrize("threshold", sorted(RUNS))
+def test_mlx_drafts_the_blocks_torch_drafts_and_commits_the_same_tokens(threshold):
+    runs = {}
+    for name in ("torch", "mlx"):
+        on = (load_backend(name), load_target(name))
+        drafter = Recording(dspark(on, threshold=threshold))
+        done = generate(on[1], drafter, k=4, max_new_tokens=20)[-1]
+        runs[name] = (done.token_ids, [d.tokens for d in drafter.drafts],
+                      [d.survival for d in drafter.drafts])
+    assert runs["mlx"][:2] == runs["torch"][:2]
+    for mlx, torch_ in zip(runs["mlx"][2], runs["torch"][2]):
+        assert mlx == pytest.approx(torch_, rel=1e-4)
+
+
+@pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
+def test_greedy_dspark_gives_exactly_the_oracles_tokens(on, k):
+    _, target = on
+    prompt = GOLDEN["prompt"]
+    plain = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30)))[-1]
+    done = list(SpecEngine(target).generate(prompt, SamplingParams(max_new_tokens=30),
+                                            drafter=dspark(on), k=k))[-1]
+    assert done.token_ids == plain.token_ids
+    assert 0 < done.stats.drafted <= min(k, 4) * done.stats.target_forwards  # block 4: k <= 4
+
+
+@pytest.mark.heavy  # 500 sampled generations
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_sampled_dspark_commits_tokens_from_the_targets_own_distribution(backend, threshold):
+    target = load_target(backend)
+    target.eos_token_ids = frozenset()  # every generation runs to its length
+    params = SamplingParams(temperature=1.0)
+    prompt = [2, 3]
+    session = target.start()  # the target's law of the second token (the first is sampled
+    p0 = warp(session.forward(prompt).host_logits()[-1].astype(np.float64), params)
+    expected = np.zeros(target.vocab_size)  # at the prefill; the second is verified)
+    for a in range(target.vocab_size):
+        expected += p0[a] * warp(session.forward([a]).host_logits()[-1].astype(np.float64),
+                                 params)
+        session.rewind(len(prompt))
+    engine, n = SpecEngine(target), 500
+    counts = np.zeros(target.vocab_size)
+    drafter = dspark((load_backend(backend), target), threshold=threshold)  # begin() resets
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                           seed=seed), drafter=drafter, k=2))[-1]
+        counts[done.token_ids[1]] += 1
+    assert done.stats.drafted > 0
+    assert_follows(counts, expected * n)
+
+
+def test_a_folder_missing_a_tensor_is_refused_naming_it(on, tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "partial"
@@ -132,16 +210,16 @@ def test_a_folder_missing_a_tensor_is_refused_naming_it(target, tmp_path):
     del state["markov_head.markov_w2.weight"]
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(SpecdeckError, match=r"missing tensors \['markov_head.markov_w2.weight'"):
-        load_dspark_drafter(target, str(folder))
+        dspark(on, folder)
 
 
-def test_a_folder_whose_markov_rank_differs_from_its_tensors_is_refused(target, tmp_path):
+def test_a_folder_whose_markov_rank_differs_from_its_tensors_is_refused(on, tmp_path):
     folder = tmp_path / "rank"
     shutil.copytree(FIX / "drafter", folder)
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**raw, "markov_rank": 4}))
     with pytest.raises(SpecdeckError, match="its tensors do not match its config: size mismatch"):
-        load_dspark_drafter(target, str(folder))
+        dspark(on, folder)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -159,7 +237,7 @@ def test_a_dspark_config_it_cannot_run_is_refused_naming_why(target, tmp_path, c
     (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items()
                                                     if v is not None}))
     with pytest.raises(SpecdeckError, match=message):
-        load_dspark_drafter(target, str(folder))
+        dspark((load_backend("torch"), target), folder)
 
 
 def v4_config():
@@ -182,14 +260,14 @@ def test_a_deepseek_v4_checkpoints_dspark_stages_are_refused_and_never_taken_for
     (folder / "config.json").write_text(json.dumps(v4_config()))
     with pytest.raises(SpecdeckError, match="DeepSeek-V4 DSpark stages .*MoE experts and "
                                             "hyper-connections"):
-        load_dspark_drafter(target, str(folder))
+        dspark((load_backend("torch"), target), folder)
 
 
 @pytest.mark.heavy  # k="auto" probes the verify costs first
 def test_with_k_auto_the_survival_cut_keeps_the_plain_output(target):
     plain = list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
         max_new_tokens=30)))[-1]
-    drafter = Recording(load_dspark_drafter(target, str(FIX / "drafter")))
+    drafter = Recording(dspark((load_backend("torch"), target)))
     done = generate(target, drafter, k="auto", max_new_tokens=30)[-1]
     assert done.token_ids == plain.token_ids
     assert all(d.survival for d in drafter.drafts if d.tokens)

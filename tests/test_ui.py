@@ -590,17 +590,14 @@ def models_handlers() -> tuple[Workbench, ModelsHandlers]:
 
 
 def test_catalogue_shows_every_pair_and_that_none_is_downloaded(empty_home):
-    from app.catalogue.registry import IMPLEMENTED_KINDS, PLANNED_KINDS, load_catalogue
+    from app.catalogue.registry import load_catalogue
     from app.ui.models import catalogue_frame
 
     table = catalogue_frame(Workbench(backend="torch", device="cpu"))
     assert list(table["pair"]) == list(load_catalogue().pairs)
     status = dict(zip(table["pair"], table["status"]))
-    # every drafter kind the catalogue names runs now (EAGLE, DFlash, MTP, Medusa), but the
-    # kinds it lists before they run (registry.PLANNED_KINDS: DSpark)
-    planned = {p: f"needs {kind}" for p, kind in zip(table["pair"], table["drafter"])
-               if kind in PLANNED_KINDS and kind not in IMPLEMENTED_KINDS}
-    assert status == {p: planned.get(p, "not downloaded") for p in status}
+    # every drafter kind the catalogue names runs now (EAGLE, DFlash, DSpark, MTP, Medusa)
+    assert status == {p: "not downloaded" for p in status}
 
 
 def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):

@@ -10,7 +10,7 @@ API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by defaul
 Heads trained here (`specdeck train-head`) are listed in SPECDECK_HOME/trained.yaml, read after
 the shipped catalogue (same schema; their models have a `local` source: nothing to download).
 `PairSpec.status_note` is "" for a runnable pair and "needs <kind>" for a drafter kind
-that is listed but not implemented yet (PLANNED_KINDS): such pairs are shown, never treated as
+this build does not implement (IMPLEMENTED_KINDS): such pairs are shown, never treated as
 broken. A hub source may carry `unverified: <why>` (its id or files could not be checked from
 here); `PairSpec.unverified(backend)` lists them, and `specdeck models` shows them.
 """
@@ -34,12 +34,8 @@ from app.paths import home
 CATALOGUE = shipped_path("models.yaml")
 TRAINED_CATALOGUE = "trained.yaml"  # under SPECDECK_HOME, written by `specdeck train-head`
 BACKENDS = ("torch", "mlx")
-# kinds a pair may name before specdeck runs them (they show as "needs <kind>"), with whether
-# each downloads a model of its own; a kind app/drafters/kinds.py gains leaves this list
-PLANNED_KINDS = {"dspark": True}
-KINDS = tuple(k for k in drafters.KINDS if k != "none") + tuple(
-    k for k in PLANNED_KINDS if k not in drafters.KINDS)  # the factory lists the runnable ones
-MODEL_KINDS = drafters.OWN_MODEL | {k for k, downloads in PLANNED_KINDS.items() if downloads}
+KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists them
+MODEL_KINDS = drafters.OWN_MODEL
 IMPLEMENTED_KINDS = drafters.IMPLEMENTED
 # bits per parameter on disk, to estimate a download whose exact size is not listed
 FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,

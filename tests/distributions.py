@@ -50,3 +50,18 @@ def first_two_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
                                    params)
         session.rewind(len(prompt))
     return joint
+
+
+def second_tokens(target, prompt: list[int], drafter, n: int, k: int = 2) -> np.ndarray:
+    """Counts of the second committed token over n sampled generations (seeds 0..n-1) at
+    temperature 1 with the drafter; the drafter must have drafted."""
+    from app.core.engine import SpecEngine
+    from app.core.types import SamplingParams
+
+    engine, counts = SpecEngine(target), np.zeros(target.vocab_size)
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                           seed=seed), drafter=drafter, k=k))[-1]
+        counts[done.token_ids[1]] += 1
+    assert done.stats.drafted > 0
+    return counts

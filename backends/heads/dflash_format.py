@@ -92,16 +92,21 @@ def default_layer_ids(n_target: int, n_draft: int) -> list[int]:
     return [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)]
 
 
+def read_config(folder: Path, kind: str) -> dict[str, Any]:
+    """A block drafter folder's config.json, or a refusal naming what the folder needs."""
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SpecdeckError(f"cannot read {folder / 'config.json'}: {error}. Give a {kind} "
+                            "drafter folder (config.json and model.safetensors)") from error
+
+
 def read_spec(path: str | Path, *, hidden_size: int, vocab_size: int, n_layers: int,
               head_rows: int) -> DFlashSpec:
     """The folder's spec, refused (naming why) when the drafter cannot run on a target of
     these sizes (head_rows: rows of the target's output layer)."""
     folder = Path(path).expanduser()
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise SpecdeckError(f"cannot read {folder / 'config.json'}: {error}. Give a DFlash "
-                            "drafter folder (config.json and model.safetensors)") from error
+    raw = read_config(folder, "DFlash")
     extra = raw.get("dflash_config") or {}
 
     def value(key: str, default: Any = None) -> Any:

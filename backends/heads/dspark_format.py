@@ -14,7 +14,6 @@ backend's DFlash modules are built from.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 from app.core.types import SpecdeckError
 from app.drafters.native import dspark_stages_refusal, has_dspark_stages
-from backends.heads.dflash_format import DFlashSpec, check_target
+from backends.heads.dflash_format import DFlashSpec, check_target, read_config
 
 DEEPSPEC = "Qwen3DSparkModel"
 HEAD_TYPES = ("vanilla",)  # DeepSpec's gated and rnn heads carry more tensors and a state
@@ -59,11 +58,7 @@ def read_dspark(path: str | Path, *, hidden_size: int, vocab_size: int, n_layers
     """The folder's spec, refused (naming why) when the drafter cannot run on a target of
     these sizes (head_rows: rows of the target's output layer)."""
     folder = Path(path).expanduser()
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise SpecdeckError(f"cannot read {folder / 'config.json'}: {error}. Give a DSpark "
-                            "drafter folder (config.json and model.safetensors)") from error
+    raw = read_config(folder, "DSpark")
     config, shape = _read_config(folder, raw)
     check_target(folder, config, shape.layer_ids, shape.mask_token_id, hidden_size,
                  vocab_size, n_layers)

@@ -16,6 +16,7 @@ the drafter crops both backends' caches alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -179,18 +180,28 @@ def load_dflash_drafter(target: Any, path: str) -> BlockDrafter:
 
 
 def _load_weights(spec: DFlashSpec, model: DFlashModel) -> None:
+    load_checked(spec.weights, model, module_names,
+                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder)
+
+
+def load_checked(files: Any, model: nn.Module, rename: Callable[[dict], dict],
+                 check: Callable[[set, set], None], folder: Any) -> None:
+    """A block drafter's weights from its safetensors into model: the stored names renamed to
+    the modules' (rename), missing and unexpected names refused by check, and every shape
+    matched, naming the first that differ."""
     stored: dict[str, mx.array] = {}
-    for file in spec.weights:
+    for file in files:
         try:
             stored.update(mx.load(str(file)))
         except (OSError, RuntimeError, ValueError) as error:
             raise SpecdeckError(f"cannot read {file}: {error}") from error
-    weights, own = module_names(stored), dict(tree_flatten(model.parameters()))
-    check_tensors(spec, set(own) - set(weights), set(weights) - set(own))
+    weights, own = rename(stored), dict(tree_flatten(model.parameters()))
+    check(set(own) - set(weights), set(weights) - set(own))
     wrong = [f"{name} {tuple(value.shape)} != {tuple(own[name].shape)}"
              for name, value in weights.items() if value.shape != own[name].shape]
     if wrong:
-        raise SpecdeckError(f"{spec.folder}'s tensors do not match its config: {wrong[:3]}")
+        raise SpecdeckError(f"{folder}: its tensors do not match its config: "
+                            f"size mismatch {wrong[:3]}")
     model.load_weights(list(weights.items()))
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from app.core.types import SpecdeckError
 from backends.heads.dspark_drafter import DSparkDrafter
@@ -25,7 +24,7 @@ from backends.heads.dspark_format import (
     stored_names,
 )
 from backends.mlx.arrays import MlxArrays
-from backends.mlx.heads.dflash import DFlashModel
+from backends.mlx.heads.dflash import DFlashModel, load_checked
 from backends.mlx.heads.eagle import target_parts
 
 
@@ -80,17 +79,5 @@ def load_dspark_drafter(target: Any, path: str, threshold: float = 0.0) -> DSpar
 
 
 def _load_weights(spec: DSparkSpec, model: DSparkModel) -> None:
-    stored: dict[str, mx.array] = {}
-    for file in spec.layers.weights:
-        try:
-            stored.update(mx.load(str(file)))
-        except (OSError, RuntimeError, ValueError) as error:
-            raise SpecdeckError(f"cannot read {file}: {error}") from error
-    weights, own = stored_names(stored), dict(tree_flatten(model.parameters()))
-    check_tensors(spec, set(own) - set(weights), set(weights) - set(own))
-    wrong = [f"{name} {tuple(value.shape)} != {tuple(own[name].shape)}"
-             for name, value in weights.items() if value.shape != own[name].shape]
-    if wrong:
-        raise SpecdeckError(f"{spec.folder}: its tensors do not match its config: "
-                            f"size mismatch {wrong[:3]}")
-    model.load_weights(list(weights.items()))
+    load_checked(spec.layers.weights, model, stored_names,
+                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder)

@@ -110,11 +110,10 @@ class DraftModelDrafter:
         """The context rows the next draft reads before drafting (this reply's prompt, or
         what steps without drafting committed; 0 when only the usual 1-2 are new): the k
         controller weighs them against what drafting can save in the reply's budget."""
-        if self._start >= len(context):
+        window = context[self._start:]
+        if not window:
             return 0
-        feed = len(context) - self._start - min(
-            common_prefix_length(self._session.tokens, context[self._start:]),
-            len(context) - self._start - 1)
+        feed = len(window) - self._reuse(window)
         return feed - 1 if feed > CATCH_UP_ROWS else 0
 
     def _catch_up(self, feed: list[int]) -> None:
@@ -128,9 +127,14 @@ class DraftModelDrafter:
     def _align(self, context: Sequence[int]) -> list[int]:
         """Rewind the cache to what it shares with the context; return the tokens to feed
         (at least the last: drafting needs its logits row)."""
-        reuse = min(common_prefix_length(self._session.tokens, context), len(context) - 1)
+        reuse = self._reuse(context)
         self._session.rewind(reuse)
         return list(context[reuse:])
+
+    def _reuse(self, window: Sequence[int]) -> int:
+        """The cached rows the window keeps: all it shares with the cache but its last token,
+        whose logits row drafting needs."""
+        return min(common_prefix_length(self._session.tokens, window), len(window) - 1)
 
     def _draft(self, feed: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
         tokens: list[int] = []

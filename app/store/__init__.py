@@ -506,9 +506,10 @@ def _pull_command(args: Any) -> int:
     print(f"target: {result.target_path}")
     if result.draft_path is not None:
         print(f"draft:  {result.draft_path}")
-    if result.backend == "torch" and result.target_path.suffix == ".gguf":
-        print("the first load converts each .gguf to safetensors once (a few GB more, next "
-              "to the file)")
+    if result.backend == "mlx" and result.target_path.suffix == ".gguf":
+        # torch computes on the file's own blocks; mlx-lm reads safetensors only
+        print("the first MLX load converts each .gguf to safetensors once (a few GB more, "
+              "next to the file)")
     return 0
 
 

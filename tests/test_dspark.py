@@ -25,7 +25,7 @@ from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends import load_backend  # noqa: E402
-from backends.torch.heads.mtp import detect_mtp  # noqa: E402
+from backends.heads.mtp_format import detect_mtp  # noqa: E402
 from tests.distributions import assert_follows, first_two_law, second_tokens  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 

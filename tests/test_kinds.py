@@ -29,7 +29,7 @@ NEEDS = (kinds.NOTHING, kinds.DRAFT_MODEL, kinds.HEAD, kinds.OWN_LAYERS)
 RAN = {
     "torch": frozenset(NAMES),
     "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
-                      "lookup+eagle3", "lookup+eagle", "dflash", "dspark", "lookahead"}),
+                      "lookup+eagle3", "lookup+eagle", "dflash", "dspark", "mtp", "lookahead"}),
     "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
 }
 # what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
@@ -37,7 +37,7 @@ RAN = {
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
            "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
-TORCH_ONLY_ON_MLX = ("mtp", "medusa")
+TORCH_ONLY_ON_MLX = ("medusa",)
 
 
 def target_on(backend: str) -> FakeModel:
@@ -108,9 +108,9 @@ def test_every_surface_refuses_a_torch_only_kind_on_mlx_with_the_same_message(ki
 
 def test_the_planner_refuses_torch_only_kinds_on_mlx_with_the_same_message():
     catalogue = load_catalogue()
-    refused = {o.kind: o.reason for target in ("qwen3-4b", "mimo-7b-rl")
+    refused = {o.kind: o.reason for target in ("qwen3-4b", "vicuna-7b-v1.3")
                for o in planner.plan(target, "mlx", "gpu", PLENTY, catalogue=catalogue).refused}
-    assert refused["mtp"] == check("mtp", runs_of("mlx")).message
+    assert refused["medusa"] == check("medusa", runs_of("mlx")).message
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,12 +1,15 @@
 """Native MTP layers: tiny random targets written with the published names (GLM-4.5 /
 DeepSeek-V3 `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head}` with per-expert MoE names,
-MiMo `model.mtp_layers.0.*` on Qwen2) are detected at load and drafted with; speculative output
-equals plain decoding (greedy oracle at k 1, 2, 4, 7; sampled output keeps the target's law);
-a target with recurrent layers is refused with that reason."""
+MiMo `model.mtp_layers.0.*` on Qwen2) are detected at load and drafted with on torch and on
+MLX (mlx-lm's glm4_moe and mimo layers); speculative output equals plain decoding (greedy
+oracle at k 1, 2, 4, 7; sampled output keeps the target's law); MLX drafts the chains torch
+drafts; a target with recurrent layers is refused with that reason."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,14 +31,18 @@ from app.core.engine import SpecEngine  # noqa: E402
 from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
+from backends.heads.mtp_format import detect_mtp, read_layout  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
-from backends.torch.heads.mtp import detect_mtp, load_mtp_drafter, read_layout  # noqa: E402
+from backends.torch.heads.mtp import load_mtp_drafter  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 12]
 HIDDEN = 32
+needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
+                               reason="mlx-lm is not installed")
+BACKENDS = ("torch", pytest.param("mlx", marks=needs_mlx))
 
 
 def glm_folder(root: Path, vocab: int = 48, seed: int = 0) -> Path:
@@ -59,7 +66,9 @@ def glm_folder(root: Path, vocab: int = 48, seed: int = 0) -> Path:
              "model.layers.2.eh_proj.weight": 0.2 * torch.randn(HIDDEN, 2 * HIDDEN),
              "model.layers.2.shared_head.norm.weight": 1 + 0.1 * torch.randn(HIDDEN)}
     save_file(extra, str(folder / "mtp.safetensors"))
-    _edit_config(folder, num_hidden_layers=2, num_nextn_predict_layers=1)
+    # the RoPE keys where GLM-4.5's published config.json keeps them (mlx-lm reads them there)
+    _edit_config(folder, num_hidden_layers=2, num_nextn_predict_layers=1, rope_theta=10000.0,
+                 partial_rotary_factor=0.5, rope_scaling=None)
     return folder
 
 
@@ -87,6 +96,37 @@ def mimo_folder(root: Path) -> Path:
     return folder
 
 
+def mlx_folder(folder: Path) -> Path:
+    """The folder as MLX loads it: a MiMo folder says model_type mimo, as MiMo's published
+    config does (transformers has no MiMo class, so torch loads it as the Qwen2 it is)."""
+    if json.loads((folder / "config.json").read_text())["model_type"] != "qwen2":
+        return folder
+    copy = folder.with_name(f"{folder.name}-mlx")
+    if copy.exists():
+        return copy
+    shutil.copytree(folder, copy)
+    _edit_config(copy, num_hidden_layers=2, model_type="mimo",
+                 architectures=["MiMoForCausalLM"])
+    return copy
+
+
+def load(backend: str, folder: Path):
+    """The target of folder on backend, in float32 on the CPU."""
+    if backend == "mlx":
+        from backends.mlx.backend import MlxBackend
+
+        return MlxBackend().load(str(mlx_folder(folder)), device="cpu", dtype="float32")
+    return TorchBackend().load(str(folder), device="cpu", dtype="float32")
+
+
+def backend_of(name: str):
+    if name == "mlx":
+        from backends.mlx.backend import MlxBackend
+
+        return MlxBackend()
+    return TorchBackend()
+
+
 def _edit_config(folder: Path, **changes) -> None:
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)
@@ -103,8 +143,13 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def targets(folders):
-    return {name: TorchBackend().load(str(f), device="cpu", dtype="float32")
-            for name, f in folders.items()}
+    return {name: load("torch", f) for name, f in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def on(folders, request):
+    """(backend name, {layout: target}) for each backend."""
+    return request.param, {name: load(request.param, f) for name, f in folders.items()}
 
 
 def test_mtp_layouts_are_detected_from_config_and_tensor_names(folders):
@@ -132,17 +177,19 @@ def test_the_glm_mtp_block_with_per_expert_names_equals_transformers_own_layer(f
     args = {"position_ids": positions,
             "position_embeddings": reference.model.rotary_emb(x, positions)}
     with torch.inference_mode():
-        ours = drafter.layer.layer(x, **args)
+        ours = drafter.step.layer.layer(x, **args)
         theirs = reference.model.layers[2](x, **args)
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("on", BACKENDS, indirect=True)
 @pytest.mark.parametrize("name", ["glm", "mimo"])
 @pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
-def test_greedy_mtp_gives_exactly_the_oracles_tokens(targets, name, k):
+def test_greedy_mtp_gives_exactly_the_oracles_tokens(on, name, k):
+    backend, targets = on
     target = targets[name]
     plain = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30)))[-1]
-    drafter = build_drafter("mtp", target, backend=TorchBackend())
+    drafter = build_drafter("mtp", target, backend=backend_of(backend))
     done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=30),
                                             drafter=drafter, k=k))[-1]
     assert done.error is None
@@ -150,29 +197,68 @@ def test_greedy_mtp_gives_exactly_the_oracles_tokens(targets, name, k):
     assert done.stats.drafted > 0
 
 
-def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(targets):
-    target = targets["glm"]
-    drafter = build_drafter("mtp", target, backend=TorchBackend())
+@pytest.mark.parametrize("on", BACKENDS, indirect=True)
+@pytest.mark.parametrize("name", ["glm", "mimo"])
+def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(on, name):
+    backend, targets = on
+    target = targets[name]
+    drafter = build_drafter("mtp", target, backend=backend_of(backend))
     out = target.start().forward(PROMPT, n_logits=1, capture=drafter.capture_layers)
     drafter.begin(PROMPT, StepFeed.prompt(PROMPT, out, 3), SamplingParams(), None)
     first = drafter.propose([*PROMPT, 3], 4)
     assert len(first.tokens) == 4 and first.parents is None
-    assert drafter._cache.get_seq_length() == len(PROMPT)  # prompt pairs and the pending one
+    assert drafter.step.length == len(PROMPT)  # prompt pairs and the pending one
     assert drafter.propose([*PROMPT, 3], 4) == first  # drafting left no trace
 
 
+class Recording:
+    """The drafter, with every proposed chain and every state it drafts from kept."""
+
+    def __init__(self, inner):
+        self.inner, self.chains, self.states = inner, [], []
+        self.name, self.capture_layers = inner.name, inner.capture_layers
+
+    def begin(self, *args):
+        self.inner.begin(*args)
+
+    def propose(self, context, k):
+        draft = self.inner.propose(context, k)
+        self.chains.append(draft.tokens)
+        self.states.append(np.array(self.inner.arrays.to_numpy(self.inner._last)))
+        return draft
+
+    def accept(self, feed):
+        self.inner.accept(feed)
+
+
+@needs_mlx
+@pytest.mark.parametrize("name", ["glm", "mimo"])
+def test_mlx_drafts_the_chains_torch_drafts_from_the_same_states(folders, name):
+    runs = {}
+    for backend in ("torch", "mlx"):
+        target = load(backend, folders[name])
+        drafter = Recording(build_drafter("mtp", target, backend=backend_of(backend)))
+        done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=24),
+                                                drafter=drafter, k=4))[-1]
+        runs[backend] = done.token_ids, drafter.chains, drafter.states
+    assert runs["mlx"][:2] == runs["torch"][:2]
+    assert len(runs["mlx"][1]) > 3
+    for mlx_state, torch_state in zip(runs["mlx"][2], runs["torch"][2]):
+        np.testing.assert_allclose(mlx_state, torch_state, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.heavy  # 500 sampled generations
-def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path, backend):
     vocab = 4
-    target = TorchBackend().load(str(glm_folder(tmp_path, vocab=vocab, seed=5)), device="cpu",
-                                 dtype="float32")
+    target = load(backend, glm_folder(tmp_path, vocab=vocab, seed=5))
     target.eos_token_ids = frozenset()
     params = SamplingParams(temperature=1.0)
     prompt = [2, 3]
     expected = first_two_law(target, prompt, params, vocab)
     engine, n = SpecEngine(target), 500
     counts = np.zeros((vocab, vocab))
-    drafter = load_mtp_drafter(target)  # begin() resets it per call
+    drafter = build_drafter("mtp", target, backend=backend_of(backend))  # begin() resets it
     for seed in range(n):
         done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
                                                            seed=seed), drafter=drafter, k=2))[-1]
@@ -184,6 +270,12 @@ def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path):
 def test_a_target_without_mtp_layers_is_refused_naming_another_drafter(target):
     with pytest.raises(SpecdeckError, match="has no native MTP layers.*--drafter ngram"):
         build_drafter("mtp", target, backend=TorchBackend())
+
+
+@needs_mlx
+def test_an_mlx_target_without_mtp_layers_is_refused_naming_another_drafter(mlx_target):
+    with pytest.raises(SpecdeckError, match="has no native MTP layers.*--drafter ngram"):
+        build_drafter("mtp", mlx_target, backend=backend_of("mlx"))
 
 
 def test_a_target_with_recurrent_layers_is_refused_with_that_reason():

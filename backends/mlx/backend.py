@@ -191,6 +191,7 @@ class MlxModel:
         self.net = net
         self.tokenizer = tokenizer
         self.name = name
+        self.source: Path | None = None  # the folder it was loaded from, when it was
         self.stream = device
         self.device = "cpu" if device == mx.cpu else "gpu"
         text = config.get("text_config", {}) | config
@@ -243,14 +244,17 @@ class MlxBackend:
         _refuse_untrimmable(net, _display_name(Path(path)))
         net.set_dtype(resolve_dtype(dtype, stream, _stored_dtype(net)))
         mx.eval(net.parameters())
-        return MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
+        model = MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
+        model.source = folder  # MTP layers are read from the checkpoint's own files
+        return model
 
     def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
         """A draft model's drafter ("draft"), an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head
         drafter or a DFlash ("dflash") or DSpark ("dspark") block drafter from its folder,
         checked against the target (tree=True: the EAGLE heads draft EAGLE-2 dynamic trees,
-        which the target verifies through backends/mlx/tree.py)."""
+        which the target verifies through backends/mlx/tree.py), or the target's own MTP
+        layers' ("mtp", a SpecdeckError when it has none)."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
         if kind == "draft":
@@ -265,6 +269,10 @@ class MlxBackend:
             from backends.mlx.heads.dspark import load_dspark_drafter
 
             return load_dspark_drafter(target, head)
+        if kind == "mtp":
+            from backends.mlx.heads.mtp import load_mtp_drafter
+
+            return load_mtp_drafter(target)
         return _eagle_drafter(kind, target, head, tree)
 
 

@@ -1,0 +1,136 @@
+"""Native MTP layers inside a target checkpoint: where each family keeps them, which tensors
+are whose, and why a target's are refused; shared by every backend.
+
+Knows: the layouts (HEADS.md §4): DeepSeek-V3 and GLM-4.5 `model.layers.{N}.{enorm, hnorm,
+eh_proj, shared_head.{norm, head}}` plus a decoder layer, fused as
+`eh_proj(cat(enorm(embed), hnorm(hidden)))`, embedding first; MiMo
+`model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}` plus a
+Qwen2 layer, fused as `input_proj(cat(hidden_layernorm(hidden), token_layernorm(embed)))`,
+hidden first; Qwen3-Next / Qwen3.5 `mtp.*` (detected; their targets keep recurrent state,
+refused). The names an MTP layer module gives its parts on every backend (`proj`,
+`embed_norm`, `hidden_norm`, `out_norm`, `head`, `layer.*`). Must not know: an array library
+(tensor names are read from the safetensors headers; each backend reads the tensors),
+drafting, the engine's loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from app.core.types import SpecdeckError
+from app.drafters.native import dspark_stages_refusal, has_dspark_stages, mtp_layers
+
+T = TypeVar("T")
+# per style: the stored names of the fusing projection, embedding norm, hidden norm, out norm
+FUSE = {"deepseek": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
+        "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")}
+_PARTS = ("proj", "embed_norm", "hidden_norm", "out_norm")
+OWN_HEAD = "shared_head.head.weight"  # DeepSeek's own output layer, when a checkpoint has one
+
+
+@dataclass(frozen=True)
+class MtpLayout:
+    """Where a checkpoint keeps its MTP layers."""
+
+    style: str  # "deepseek" (DeepSeek-V3, GLM-4.5), "mimo" or "qwen3_next" (Qwen3-Next/3.5)
+    prefixes: tuple[str, ...]  # one per MTP layer, e.g. "model.layers.46."
+
+
+@dataclass(frozen=True)
+class MtpCheckpoint:
+    """A folder's MTP layout and, per safetensors file, the tensor names of its first MTP
+    layer (the one that drafts)."""
+
+    layout: MtpLayout
+    keys: Mapping[Path, tuple[str, ...]]
+
+    @property
+    def prefix(self) -> str:
+        return self.layout.prefixes[0]
+
+    @property
+    def index(self) -> int:
+        """The first MTP layer's index: N for DeepSeek-style layers (past the last decoder
+        layer), i for MiMo's."""
+        return int(self.prefix.rstrip(".").rsplit(".", 1)[-1])
+
+
+def detect_mtp(config: dict[str, Any], keys: Sequence[str]) -> MtpLayout | None:
+    """The MTP layout a config and its tensor names declare, or None (DeepSeek-V4's DSpark
+    stages, also under `mtp.*`, are no MTP layers)."""
+    text = config.get("text_config") or config
+    count = mtp_layers(config)
+    if count < 1:
+        return None
+    names = set(keys)
+    if any(k.startswith("mtp.") for k in names):
+        return MtpLayout("qwen3_next", ("mtp.",))
+    if any(k.startswith("model.mtp_layers.") for k in names):
+        return MtpLayout("mimo", tuple(f"model.mtp_layers.{i}." for i in range(count)))
+    first = int(text["num_hidden_layers"])
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(count))
+    if all(f"{p}eh_proj.weight" in names for p in prefixes):
+        return MtpLayout("deepseek", prefixes)
+    return None
+
+
+def read_layout(folder: Path) -> tuple[dict[str, Any], MtpLayout | None,
+                                        dict[Path, tuple[str, ...]]]:
+    """The folder's config, MTP layout and the tensor names of each safetensors file."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    names: dict[Path, tuple[str, ...]] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:  # the header only: no tensor read
+            names[file] = tuple(f.keys())
+    keys = [k for file_keys in names.values() for k in file_keys]
+    return config, detect_mtp(config, keys), names
+
+
+def open_mtp(target: Any) -> MtpCheckpoint:
+    """The MTP layers of `target`'s own folder (`target.source`); SpecdeckError naming why
+    when it has none, they are DeepSeek-V4 DSpark stages, or the target cannot rewind."""
+    folder = getattr(target, "source", None)
+    config, layout, names = read_layout(folder) if folder is not None else ({}, None, {})
+    if has_dspark_stages(config):
+        raise SpecdeckError(dspark_stages_refusal(target.name, config))
+    if layout is None:
+        raise SpecdeckError(f"{target.name} has no native MTP layers (its config names no "
+                            "num_nextn_predict_layers with MTP tensors): pick another drafter, "
+                            "e.g. --drafter ngram")
+    if not target.capabilities.rewind:
+        raise SpecdeckError(f"{target.name} carries MTP layers but cannot speculate: "
+                            f"{target.capabilities.reason}; use --drafter none")
+    if layout.style not in FUSE:
+        raise SpecdeckError(f"{target.name}: MTP layout {layout.style} is not supported")
+    prefix = layout.prefixes[0]
+    keys = {file: tuple(k for k in file_keys if k.startswith(prefix))
+            for file, file_keys in names.items()}
+    return MtpCheckpoint(layout, {file: k for file, k in keys.items() if k})
+
+
+def split_layer(stored: Mapping[str, T], checkpoint: MtpCheckpoint
+                ) -> tuple[dict[str, T], dict[str, T]]:
+    """An MTP layer's stored tensors (full names) as (the fusing parts under the module's names
+    `proj.weight`, ..., `head.weight` when it has its own head; the decoder layer's tensors
+    under their names inside the layer, per-expert MoE names as stored)."""
+    own = {k.removeprefix(checkpoint.prefix): v for k, v in stored.items()}
+    fuse = {f"{part}.weight": own.pop(f"{name}.weight")
+            for part, name in zip(_PARTS, FUSE[checkpoint.layout.style]) if f"{name}.weight" in own}
+    if OWN_HEAD in own:
+        fuse["head.weight"] = own.pop(OWN_HEAD)
+    own.pop("embed_tokens.weight", None)  # DeepSeek's copy of the target's embedding
+    return fuse, own
+
+
+def mismatch(target: str, checkpoint: MtpCheckpoint, layer_class: str,
+             missing: Sequence[str], unexpected: Sequence[str]) -> SpecdeckError:
+    """The refusal of an MTP layer whose tensors are not those its module holds."""
+    return SpecdeckError(f"{target}: its MTP layer {checkpoint.prefix} does not match a "
+                         f"{layer_class} (missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]})")

@@ -29,7 +29,8 @@ NEEDS = (kinds.NOTHING, kinds.DRAFT_MODEL, kinds.HEAD, kinds.OWN_LAYERS)
 RAN = {
     "torch": frozenset(NAMES),
     "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
-                      "lookup+eagle3", "lookup+eagle", "dflash", "dspark", "lookahead"}),
+                      "lookup+eagle3", "lookup+eagle", "medusa", "dflash", "dspark",
+                      "lookahead"}),
     "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
 }
 # what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
@@ -37,7 +38,7 @@ RAN = {
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
            "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
-TORCH_ONLY_ON_MLX = ("mtp", "medusa")
+TORCH_ONLY_ON_MLX = ("mtp",)
 
 
 def target_on(backend: str) -> FakeModel:
@@ -166,7 +167,10 @@ def test_eagle_trees_run_on_mlx_and_a_backend_whose_heads_draft_chains_refuses_n
 
 def test_what_is_missing_is_named_where_the_backend_runs_the_kind():
     mlx = runs_of("mlx")
-    assert "torch backend only" in check("medusa", mlx, has_head=False).message
+    eagle3_only = Runs("eagle3-only", frozenset({"eagle3"}), Capabilities(hidden_states=True))
+    assert "torch backend only" in check("medusa", eagle3_only, has_head=False).message
+    assert check("medusa", mlx, has_head=False).message.startswith(
+        "drafter 'medusa' needs its head: give --draft HEAD_DIR")
     assert check("chain", mlx, has_draft=False).message.startswith(
         "drafter 'chain' needs a draft model: give --draft PATH")
     assert check("eagle3", mlx, has_head=False).message.startswith(

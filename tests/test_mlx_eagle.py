@@ -422,7 +422,7 @@ def test_a_head_with_another_vocabulary_or_too_few_layers_is_refused_on_mlx(head
             build(mlx_twin(model, tmp_path / name), heads["midlayer"], "midlayer")
 
 
-@pytest.mark.parametrize("kind", ["mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["mtp"])
 def test_head_kinds_mlx_does_not_run_name_the_torch_backend(twins, heads, kind):
     _, target = twins
     with pytest.raises(SpecdeckError, match="--backend torch"):

@@ -153,10 +153,17 @@ def test_on_mlx_the_dspark_drafter_is_picked_as_on_torch_and_mtp_is_refused(cata
     assert [o.label for o in plan.passed][0] == "dflash dflash-qwen3-4b"
     assert plan.choice.label == planner.plan("qwen3-4b", "torch", "cuda", PLENTY,
                                              catalogue=catalogue).choice.label
-    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle, dflash and dspark " \
-                 "heads): use --backend torch"
+    torch_only = "runs on the torch backend only (mlx runs eagle3, eagle, medusa, dflash and " \
+                 "dspark heads): use --backend torch"
     plan = planner.plan("mimo-7b-rl", "mlx", "gpu", PLENTY, catalogue=catalogue)
     assert ("mtp", f"drafter 'mtp' {torch_only}") in [(o.kind, o.reason) for o in plan.refused]
+
+
+def test_on_mlx_medusa_heads_are_weighed_as_on_torch(catalogue):
+    mlx, torch_ = (planner.plan("vicuna-7b-v1.3", backend, "cpu", PLENTY, catalogue=catalogue)
+                   for backend in ("mlx", "torch"))
+    assert mlx.choice.label == torch_.choice.label == "ngram"
+    assert [(o.label, o.reason) for o in mlx.refused] == [("medusa medusa-vicuna-7b", PICKLE)]
 
 
 # ---- surfaces ------------------------------------------------------------------------------

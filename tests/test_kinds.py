@@ -4,6 +4,7 @@ server, the planner, the backends' make_drafter) refuses a kind with check's one
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +30,8 @@ NEEDS = (kinds.NOTHING, kinds.DRAFT_MODEL, kinds.HEAD, kinds.OWN_LAYERS)
 RAN = {
     "torch": frozenset(NAMES),
     "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
-                      "lookup+eagle3", "lookup+eagle", "dflash", "dspark", "mtp", "lookahead"}),
+                      "lookup+eagle3", "lookup+eagle", "medusa", "dflash", "dspark", "mtp",
+                      "lookahead"}),
     "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
 }
 # what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
@@ -37,7 +39,6 @@ RAN = {
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
            "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
-TORCH_ONLY_ON_MLX = ("medusa",)
 
 
 def target_on(backend: str) -> FakeModel:
@@ -83,10 +84,27 @@ def test_each_backend_runs_what_it_ran_before_the_table(backend):
     assert {k for k in RAN[backend] if not kinds.chains_only(k, runs)} == PLANNED[backend]
 
 
-@pytest.mark.parametrize("kind", TORCH_ONLY_ON_MLX)
-def test_every_surface_refuses_a_torch_only_kind_on_mlx_with_the_same_message(kind, tmp_path):
+def test_mlx_builds_every_kind_the_reference_backend_builds():
+    assert runs_of("mlx").builds == runs_of(kinds.REFERENCE).builds
+
+
+@pytest.fixture
+def mlx_without_medusa(monkeypatch):
+    """MLX as it was before it built Medusa heads: a backend lacking a kind torch builds."""
+    import backends
     from backends.mlx.backend import MlxBackend
 
+    runs = replace(runs_of("mlx"), builds=runs_of("mlx").builds - {"medusa"})
+    monkeypatch.setitem(backends._RUNS, "mlx", runs)
+    monkeypatch.setattr(MlxBackend, "runs", runs)
+    return runs
+
+
+def test_every_surface_refuses_a_kind_the_backend_lacks_with_the_same_message(
+        mlx_without_medusa, tmp_path):
+    from backends.mlx.backend import MlxBackend
+
+    kind = "medusa"
     message = check(kind, runs_of("mlx")).message
     assert message.endswith("use --backend torch")
     mlx = SimpleNamespace(name="mlx", runs=runs_of("mlx"))
@@ -106,7 +124,8 @@ def test_every_surface_refuses_a_torch_only_kind_on_mlx_with_the_same_message(ki
     assert refusals == [message] * 5
 
 
-def test_the_planner_refuses_torch_only_kinds_on_mlx_with_the_same_message():
+def test_the_planner_refuses_a_kind_the_backend_lacks_with_the_same_message(
+        mlx_without_medusa):
     catalogue = load_catalogue()
     refused = {o.kind: o.reason for target in ("qwen3-4b", "vicuna-7b-v1.3")
                for o in planner.plan(target, "mlx", "gpu", PLENTY, catalogue=catalogue).refused}
@@ -166,7 +185,10 @@ def test_eagle_trees_run_on_mlx_and_a_backend_whose_heads_draft_chains_refuses_n
 
 def test_what_is_missing_is_named_where_the_backend_runs_the_kind():
     mlx = runs_of("mlx")
-    assert "torch backend only" in check("medusa", mlx, has_head=False).message
+    eagle3_only = Runs("eagle3-only", frozenset({"eagle3"}), Capabilities(hidden_states=True))
+    assert "torch backend only" in check("medusa", eagle3_only, has_head=False).message
+    assert check("medusa", mlx, has_head=False).message.startswith(
+        "drafter 'medusa' needs its head: give --draft HEAD_DIR")
     assert check("chain", mlx, has_draft=False).message.startswith(
         "drafter 'chain' needs a draft model: give --draft PATH")
     assert check("eagle3", mlx, has_head=False).message.startswith(

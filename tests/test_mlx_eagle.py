@@ -422,13 +422,6 @@ def test_a_head_with_another_vocabulary_or_too_few_layers_is_refused_on_mlx(head
             build(mlx_twin(model, tmp_path / name), heads["midlayer"], "midlayer")
 
 
-@pytest.mark.parametrize("kind", ["mtp", "medusa"])
-def test_head_kinds_mlx_does_not_run_name_the_torch_backend(twins, heads, kind):
-    _, target = twins
-    with pytest.raises(SpecdeckError, match="--backend torch"):
-        drafters.build_drafter(kind, target, backend=MlxBackend(), head=str(heads["midlayer"]))
-
-
 def test_an_eagle1_head_asked_for_as_eagle3_on_mlx_names_the_right_flag(twins, heads):
     _, target = twins
     with pytest.raises(SpecdeckError, match="--drafter eagle"):

@@ -159,6 +159,13 @@ def test_on_mlx_the_dspark_and_mtp_drafters_are_picked_as_on_torch(catalogue):
                                              catalogue=catalogue).choice.label
 
 
+def test_on_mlx_medusa_heads_are_weighed_as_on_torch(catalogue):
+    mlx, torch_ = (planner.plan("vicuna-7b-v1.3", backend, "cpu", PLENTY, catalogue=catalogue)
+                   for backend in ("mlx", "torch"))
+    assert mlx.choice.label == torch_.choice.label == "ngram"
+    assert [(o.label, o.reason) for o in mlx.refused] == [("medusa medusa-vicuna-7b", PICKLE)]
+
+
 # ---- surfaces ------------------------------------------------------------------------------
 
 

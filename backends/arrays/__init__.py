@@ -39,6 +39,8 @@ class Arrays(Protocol):
 
     def tanh(self, x: Any) -> Any: ...
 
+    def silu(self, x: Any) -> Any: ...
+
     def softmax(self, x: Any) -> Any:
         """Over the last axis."""
 

@@ -46,6 +46,9 @@ class MlxArrays:
     def tanh(self, x: mx.array) -> mx.array:
         return mx.tanh(x)
 
+    def silu(self, x: mx.array) -> mx.array:
+        return x * mx.sigmoid(x)
+
     def softmax(self, x: mx.array) -> mx.array:
         return mx.softmax(x, axis=-1)
 

@@ -251,10 +251,10 @@ class MlxBackend:
     def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
         """A draft model's drafter ("draft"), an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head
-        drafter or a DFlash ("dflash") or DSpark ("dspark") block drafter from its folder,
-        checked against the target (tree=True: the EAGLE heads draft EAGLE-2 dynamic trees,
-        which the target verifies through backends/mlx/tree.py), or the target's own MTP
-        layers' ("mtp", a SpecdeckError when it has none)."""
+        drafter, Medusa heads ("medusa") or a DFlash ("dflash") or DSpark ("dspark") block
+        drafter from its folder, checked against the target (tree=True: the EAGLE heads draft
+        EAGLE-2 dynamic trees, which the target verifies through backends/mlx/tree.py), or the
+        target's own MTP layers' ("mtp", a SpecdeckError when it has none)."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
         if kind == "draft":
@@ -273,6 +273,10 @@ class MlxBackend:
             from backends.mlx.heads.mtp import load_mtp_drafter
 
             return load_mtp_drafter(target)
+        if kind == "medusa":
+            from backends.mlx.heads.medusa import load_medusa_drafter
+
+            return load_medusa_drafter(target, head)
         return _eagle_drafter(kind, target, head, tree)
 
 

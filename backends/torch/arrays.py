@@ -46,6 +46,9 @@ class TorchArrays:
     def tanh(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x)
+
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
 

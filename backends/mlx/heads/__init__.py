@@ -1,7 +1,7 @@
 """Drafter heads on MLX, over the target's hidden states the MLX session captures (EAGLE,
-DFlash, DSpark).
+Medusa, DFlash, DSpark).
 
-Head folders are read by backends/heads/eagle_format.py, dflash_format.py and
-dspark_format.py (no array library), so both backends load the same files; this package file
-stays empty of logic.
+Head folders are read by backends/heads/eagle_format.py, dflash_format.py, dspark_format.py
+and medusa_format.py (no array library), so both backends load the same files; this package
+file stays empty of logic.
 """

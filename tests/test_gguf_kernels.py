@@ -84,3 +84,29 @@ def test_kquant_refuses_shapes_its_tiles_cannot_hold():
     assert not kquant.can_take(int(T.Q4_K), 48, 896)  # 896 is no multiple of 256
     assert kquant.can_take(int(T.Q5_0), 48, 896) and not kquant.can_take(int(T.Q5_0), 40, 896)
     assert not kquant.can_take(int(T.F16), 48, 256)
+
+
+@needs_kquant
+def test_a_fused_layer_in_one_call_gives_each_part_its_own_bits():
+    kinds, k = (T.Q4_K, T.Q6_K, T.Q8_0), 512
+    parts = []
+    for index, kind in enumerate(kinds):
+        data = stored(kind, 32 * (index + 1), k, seed=index)
+        info = TensorInfo(f"w{index}", int(kind), (k, len(data)), 0, data.nbytes)
+        bias = torch.randn(len(data)) if kind != T.Q6_K else None
+        part = Part(data.reshape(-1), info, bias=bias,
+                    packed=kquant.pack(int(kind), data, len(data), k))
+        parts.append(part)
+    fused = GgufLinear(parts)
+    assert fused._tiled is not None
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(2))  # two calls: 16 + 4
+    out = fused(x)
+    column = 0
+    for part in parts:
+        own = torch.empty(20, part.out_features)
+        for start in range(0, 20, kquant.MAX_ROWS):
+            rows = x[start:start + kquant.MAX_ROWS].contiguous()
+            kquant.matmul_at(part.ggml_type, part._packed_at, part.out_features, rows,
+                             part.bias, own[start:start + kquant.MAX_ROWS], 0)
+        assert torch.equal(out[:, column:column + part.out_features], own)
+        column += part.out_features

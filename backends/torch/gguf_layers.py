@@ -106,6 +106,7 @@ class GgufLinear(torch.nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None
+        self._tiled = _tiled(parts, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> GgufLinear:
         """The layer restricted to output rows ids (one-part layers only)."""
@@ -119,13 +120,25 @@ class GgufLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
-        if flat.shape[0]:
+        if flat.shape[0] and self._tiled is not None:
+            kquant.matmul_parts(self._tiled, flat, out)
+        elif flat.shape[0]:
             quantized: dict[int, np.ndarray] = {}  # x per activation type, shared by parts
             column = 0
             for part in self.parts:
                 part.compute(flat, out, column, quantized)
                 column += part.out_features
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _tiled(parts: list[Part], in_features: int) -> kquant.Parts | None:
+    """The parts as one kquant call, where every part is on whole tiles of its own (one call
+    quantizes the input once and splits all their tiles between the threads); else None."""
+    if len(parts) > kquant.Parts.MAX or any(
+            p.packed is None or p.packed_rows != p.out_features for p in parts):
+        return None
+    return kquant.Parts([(p.ggml_type, p._packed_at, p.out_features, p.bias) for p in parts],
+                        in_features)
 
 
 class GgufEmbedding(torch.nn.Module):

@@ -42,6 +42,7 @@ def _library() -> ctypes.CDLL:
     library.kq_packed_bytes.restype = ctypes.c_size_t
     library.kq_pack.argtypes = [i, p, i, i, p]
     library.kq_matmul.argtypes = [i, p, i, i, p, i, p, p, i, p]
+    library.kq_matmul_parts.argtypes = [i, p, p, p, p, p, i, p, i, p, i, p]
     return library
 
 
@@ -89,6 +90,47 @@ def matmul_at(ggml_type: int, packed: int, out_features: int, x: torch.Tensor,
         status = library.kq_matmul(ggml_type, packed, out_features, in_features,
                                    x.data_ptr() + 4 * start * in_features,
                                    min(MAX_ROWS, rows - start), bias_at, target, stride, scratch)
+        if status != 0:
+            raise ValueError(f"kquant cannot multiply {rows} rows of {in_features}")
+
+
+class Parts:
+    """Packed weights that read the same input, outputs side by side (a fused projection), as
+    the arguments kq_matmul_parts takes: built once at load, so a call converts nothing."""
+
+    MAX = 8
+
+    def __init__(self, weights: list[tuple[int, int, int, torch.Tensor | None]],
+                 in_features: int) -> None:
+        """weights: (ggml type, packed address, output rows, float32 bias or None) per part."""
+        if not 0 < len(weights) <= self.MAX:
+            raise ValueError(f"kquant multiplies 1 to {self.MAX} parts at once")
+        count = len(weights)
+        self.count, self.in_features = count, in_features
+        self.out_features = sum(n for _, _, n, _ in weights)
+        columns = np.cumsum([0, *(n for _, _, n, _ in weights[:-1])])
+        self._biases = [b for *_, b in weights]  # the addresses below point into these
+        self._arrays = (
+            (ctypes.c_int * count)(*(t for t, _, _, _ in weights)),
+            (ctypes.c_void_p * count)(*(a for _, a, _, _ in weights)),
+            (ctypes.c_int * count)(*(n for _, _, n, _ in weights)),
+            (ctypes.c_void_p * count)(*(0 if b is None else b.data_ptr() for b in self._biases)),
+            (ctypes.c_int * count)(*(int(c) for c in columns)))
+        self.addresses = tuple(ctypes.addressof(a) for a in self._arrays)
+
+
+def matmul_parts(parts: Parts, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [rows, parts.out_features] = x (float32 [rows, in], contiguous) times every part,
+    with the bits matmul_at gives each part alone: one call per 16 rows."""
+    rows, in_features = x.shape
+    library = _library()
+    scratch = _scratch(in_features)
+    types, weights, ns, biases, columns = parts.addresses
+    for start in range(0, rows, MAX_ROWS):
+        status = library.kq_matmul_parts(
+            parts.count, types, weights, ns, biases, columns, in_features,
+            x.data_ptr() + 4 * start * in_features, min(MAX_ROWS, rows - start),
+            out.data_ptr() + 4 * start * parts.out_features, parts.out_features, scratch)
         if status != 0:
             raise ValueError(f"kquant cannot multiply {rows} rows of {in_features}")
 

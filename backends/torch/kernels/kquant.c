@@ -26,6 +26,7 @@
  * bits in any verify block.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -378,12 +379,8 @@ TILE_ROWS(2)
 TILE_ROWS(3)
 TILE_ROWS(4)
 
-/* out [rows, n] (row stride out_stride) = x [rows, k] float32 times the packed weight, plus
- * bias (or NULL); rows <= MAX_ROWS. scratch: rows*k bytes plus 3*rows*k/GROUP floats. */
-int kq_matmul(int type, const uint8_t *w, int n, int k, const float *x, int rows,
-              const float *bias, float *out, int out_stride, void *scratch) {
-    if (rows < 1 || rows > MAX_ROWS || !supported(type, n, k))
-        return -1;
+/* x's rows quantized into scratch (rows*k bytes, then 3*rows*k/GROUP floats) */
+static struct rows quantize_rows(const float *x, int rows, int k, void *scratch) {
     int groups = k / GROUP;
     int8_t *q = (int8_t *)scratch;
     float *a = (float *)(q + (size_t)rows * k), *b0 = a + rows * groups, *b1 = b0 + rows * groups;
@@ -391,15 +388,61 @@ int kq_matmul(int type, const uint8_t *w, int n, int k, const float *x, int rows
         quantize_row(x + (size_t)r * k, k, q + (size_t)r * k, a + r * groups, b0 + r * groups,
                      b1 + r * groups);
     struct rows xs = {q, a, b0, b1, k, groups};
+    return xs;
+}
+
+/* One tile of one packed weight for every row, 4 rows at a time. */
+static void tile_all_rows(int type, const uint8_t *w, struct rows xs, int rows, int t,
+                          const float *bias, float *out, int out_stride) {
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: tile_rows_1(type, w, xs, r0, t, bias, out, out_stride); break;
+        case 2: tile_rows_2(type, w, xs, r0, t, bias, out, out_stride); break;
+        case 3: tile_rows_3(type, w, xs, r0, t, bias, out, out_stride); break;
+        default: tile_rows_4(type, w, xs, r0, t, bias, out, out_stride); break;
+        }
+    }
+}
+
+/* out [rows, n] (row stride out_stride) = x [rows, k] float32 times the packed weight, plus
+ * bias (or NULL); rows <= MAX_ROWS. scratch: rows*k bytes plus 3*rows*k/GROUP floats. */
+int kq_matmul(int type, const uint8_t *w, int n, int k, const float *x, int rows,
+              const float *bias, float *out, int out_stride, void *scratch) {
+    if (rows < 1 || rows > MAX_ROWS || !supported(type, n, k))
+        return -1;
+    struct rows xs = quantize_rows(x, rows, k, scratch);
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < n / TILE; t++)
-        for (int r0 = 0; r0 < rows; r0 += 4) {
-            switch (rows - r0 < 4 ? rows - r0 : 4) {
-            case 1: tile_rows_1(type, w, xs, r0, t, bias, out, out_stride); break;
-            case 2: tile_rows_2(type, w, xs, r0, t, bias, out, out_stride); break;
-            case 3: tile_rows_3(type, w, xs, r0, t, bias, out, out_stride); break;
-            default: tile_rows_4(type, w, xs, r0, t, bias, out, out_stride); break;
-            }
+        tile_all_rows(type, w, xs, rows, t, bias, out, out_stride);
+    return 0;
+}
+
+/* Several packed weights that read the same x (a fused projection's parts), their outputs side
+ * by side from columns[p]: x quantized once, one parallel region over every part's tiles.
+ * Each tile runs as kq_matmul runs it, so the outputs are kq_matmul's bits. */
+int kq_matmul_parts(int parts, const int *types, const uint8_t *const *w, const int *ns,
+                    const float *const *biases, const int *columns, int k, const float *x,
+                    int rows, float *out, int out_stride, void *scratch) {
+    int first[9] = {0};
+    if (rows < 1 || rows > MAX_ROWS || parts < 1 || parts > 8)
+        return -1;
+    for (int p = 0; p < parts; p++) {
+        if (!supported(types[p], ns[p], k))
+            return -1;
+        first[p + 1] = first[p] + ns[p] / TILE;
+    }
+    struct rows xs = quantize_rows(x, rows, k, scratch);
+    /* each thread takes its share of every part, as kq_matmul's static split would: parts of
+     * unlike types (Q4_K gate, Q6_K up) then cost every thread alike */
+#pragma omp parallel
+    {
+        int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        for (int p = 0; p < parts; p++) {
+            int tiles = first[p + 1] - first[p];
+            for (int t = tiles * me / threads; t < tiles * (me + 1) / threads; t++)
+                tile_all_rows(types[p], w[p], xs, rows, t, biases[p], out + columns[p],
+                              out_stride);
         }
+    }
     return 0;
 }

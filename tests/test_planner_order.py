@@ -191,3 +191,14 @@ def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path,
     here = {r.pair.id: r.plan.choice.kind for r in store.list_pairs("torch", "cpu")}
     assert dict(zip(table["pair"], table["auto picks"])) == here  # the memory free now
     assert "not lookahead: ranked after ngram" in pair_details(bench, "smollm2-135m+ngram")
+
+
+def test_every_catalogue_pair_gets_the_same_drafter_on_mlx_as_on_torch(catalogue):
+    for pair in catalogue.pairs:
+        on_cpu = {backend: planner.plan(pair, backend, "cpu", PLENTY, catalogue=catalogue)
+                  for backend in ("mlx", "torch")}
+        assert on_cpu["mlx"].choice.label == on_cpu["torch"].choice.label, pair
+        # on a GPU only the order of the two lookups differs: CUDA puts lookahead's tree first
+        mlx = planner.plan(pair, "mlx", "gpu", PLENTY, catalogue=catalogue).choice.label
+        cuda = planner.plan(pair, "torch", "cuda", PLENTY, catalogue=catalogue).choice.label
+        assert mlx == cuda or (mlx, cuda) == ("ngram", "lookahead"), pair

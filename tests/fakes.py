@@ -82,3 +82,26 @@ class FakeModel:
 
     def peak_memory_bytes(self) -> int:
         return 0
+
+
+class RecordingDrafter:
+    """A drafter with every draft it proposes kept (`drafts`; `blocks`: their tokens)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.drafts = inner, []
+        self.name, self.capture_layers = inner.name, inner.capture_layers
+
+    @property
+    def blocks(self) -> list[list[int]]:
+        return [list(d.tokens) for d in self.drafts]
+
+    def begin(self, *args) -> None:
+        self.inner.begin(*args)
+
+    def propose(self, context, k):
+        draft = self.inner.propose(context, k)
+        self.drafts.append(draft)
+        return draft
+
+    def accept(self, feed) -> None:
+        self.inner.accept(feed)

@@ -24,6 +24,7 @@ from app.drafters import build_drafter  # noqa: E402
 from backends import load_backend  # noqa: E402
 from backends.heads.dflash_format import default_layer_ids  # noqa: E402
 from tests.distributions import assert_follows, first_two_law, second_tokens  # noqa: E402
+from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dflash"
@@ -64,28 +65,9 @@ def dflash(on, folder: str | Path = "drafter"):
     return backend.make_drafter("dflash", target, head=str(FIX / folder))
 
 
-class Recording:
-    """The drafter, with every proposed block kept."""
-
-    def __init__(self, inner):
-        self.inner, self.blocks = inner, []
-        self.name, self.capture_layers = inner.name, inner.capture_layers
-
-    def begin(self, *args):
-        self.inner.begin(*args)
-
-    def propose(self, context, k):
-        draft = self.inner.propose(context, k)
-        self.blocks.append(list(draft.tokens))
-        return draft
-
-    def accept(self, feed):
-        self.inner.accept(feed)
-
-
 def test_each_round_drafts_the_block_the_reference_drafted(on):
     backend, target = on
-    drafter = Recording(build_drafter("dflash", target, backend=backend,
+    drafter = RecordingDrafter(build_drafter("dflash", target, backend=backend,
                                       head=str(FIX / "drafter")))
     events = list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
         max_new_tokens=24), drafter=drafter, k=3))
@@ -104,7 +86,7 @@ def test_mlx_drafts_the_blocks_torch_drafts_and_commits_the_same_tokens(target, 
                                                                        folder):
     runs = {}
     for name, model in (("torch", target), ("mlx", mlx_target)):
-        drafter = Recording(load_backend(name).make_drafter("dflash", model,
+        drafter = RecordingDrafter(load_backend(name).make_drafter("dflash", model,
                                                              head=str(FIX / folder)))
         done = list(SpecEngine(model).generate(GOLDEN["prompt"], SamplingParams(
             max_new_tokens=20), drafter=drafter, k=3))[-1]

@@ -23,7 +23,8 @@ from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.heads.dflash import load_dflash_drafter  # noqa: E402
-from tests.test_dflash import BACKENDS, GOLDEN_MLX, Recording, dflash, each_backend  # noqa: E402
+from tests.fakes import RecordingDrafter  # noqa: E402
+from tests.test_dflash import BACKENDS, GOLDEN_MLX, dflash, each_backend  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dflash"
 DRAFTER = FIX / "drafter2"
@@ -40,7 +41,7 @@ def target():
 
 def test_each_round_drafts_the_block_the_reference_drafted(on):
     backend, target = on
-    drafter = Recording(build_drafter("dflash", target, backend=backend, head=str(DRAFTER)))
+    drafter = RecordingDrafter(build_drafter("dflash", target, backend=backend, head=str(DRAFTER)))
     events = list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
         max_new_tokens=24), drafter=drafter, k=3))
     done = events[-1]

@@ -27,6 +27,7 @@ from app.drafters import build_drafter  # noqa: E402
 from backends import load_backend  # noqa: E402
 from backends.heads.mtp_format import detect_mtp  # noqa: E402
 from tests.distributions import assert_follows, first_two_law, second_tokens  # noqa: E402
+from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "dspark"
@@ -60,25 +61,6 @@ def dspark(on, folder: str | Path = FIX / "drafter", threshold: float = 0.0):
     return module.load_dspark_drafter(target, str(folder), threshold)
 
 
-class Recording:
-    """The drafter, with every proposed draft kept."""
-
-    def __init__(self, inner):
-        self.inner, self.drafts = inner, []
-        self.name, self.capture_layers = inner.name, inner.capture_layers
-
-    def begin(self, *args):
-        self.inner.begin(*args)
-
-    def propose(self, context, k):
-        draft = self.inner.propose(context, k)
-        self.drafts.append(draft)
-        return draft
-
-    def accept(self, feed):
-        self.inner.accept(feed)
-
-
 def generate(target, drafter, k=4, max_new_tokens=24):
     return list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
         max_new_tokens=max_new_tokens), drafter=drafter, k=k))
@@ -88,7 +70,7 @@ def generate(target, drafter, k=4, max_new_tokens=24):
 def test_each_round_drafts_the_tokens_deepspec_drafted(on, threshold):
     _, target = on
     golden = RUNS[threshold]
-    drafter = Recording(dspark(on, threshold=threshold))
+    drafter = RecordingDrafter(dspark(on, threshold=threshold))
     events = generate(target, drafter)
     assert list(GOLDEN["prompt"]) + list(events[-1].token_ids) == golden["output_ids"]
     steps = [e for e in events if isinstance(e, Step)][1:]  # after the prefill's token
@@ -101,7 +83,7 @@ def test_each_round_drafts_the_tokens_deepspec_drafted(on, threshold):
 def test_the_draft_carries_the_confidence_heads_prefix_survival(on):
     _, target = on
     golden = RUNS[0.0]["rounds"]
-    drafter = Recording(dspark(on))
+    drafter = RecordingDrafter(dspark(on))
     generate(target, drafter)
     for draft, round_ in zip(drafter.drafts[:len(golden) - 1], golden):
         assert draft.survival == pytest.approx(np.cumprod(round_["confidence"]), rel=1e-4)
@@ -122,7 +104,7 @@ def test_the_speculators_format_loads_the_same_drafter(on, tmp_path):
         "mask_token_id": raw["mask_token_id"], "markov_rank": raw["markov_rank"],
         "aux_hidden_state_layer_ids": [i + 1 for i in raw["target_layer_ids"]],
         "draft_vocab_size": raw["vocab_size"]}))  # sample_from_anchor absent: True
-    drafter = Recording(dspark(on, folder))
+    drafter = RecordingDrafter(dspark(on, folder))
     generate(target, drafter)
     golden = RUNS[0.0]["rounds"]
     assert [list(d.tokens) for d in drafter.drafts][:len(golden) - 1] == \
@@ -154,7 +136,7 @@ def test_mlx_drafts_the_blocks_torch_drafts_and_commits_the_same_tokens(threshol
     runs = {}
     for name in ("torch", "mlx"):
         on = (load_backend(name), load_target(name))
-        drafter = Recording(dspark(on, threshold=threshold))
+        drafter = RecordingDrafter(dspark(on, threshold=threshold))
         done = generate(on[1], drafter, k=4, max_new_tokens=20)[-1]
         runs[name] = (done.token_ids, [d.tokens for d in drafter.drafts],
                       [d.survival for d in drafter.drafts])
@@ -255,7 +237,7 @@ def test_a_deepseek_v4_checkpoints_dspark_stages_are_refused_and_never_taken_for
 def test_with_k_auto_the_survival_cut_keeps_the_plain_output(target):
     plain = list(SpecEngine(target).generate(GOLDEN["prompt"], SamplingParams(
         max_new_tokens=30)))[-1]
-    drafter = Recording(dspark((load_backend("torch"), target)))
+    drafter = RecordingDrafter(dspark((load_backend("torch"), target)))
     done = generate(target, drafter, k="auto", max_new_tokens=30)[-1]
     assert done.token_ids == plain.token_ids
     assert all(d.survival for d in drafter.drafts if d.tokens)

@@ -11,10 +11,11 @@ torch = pytest.importorskip("torch")
 
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import Done, SamplingParams, SpecdeckError  # noqa: E402
+from app.drafters import build_drafter  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends.gguf import CONVERTED_SUFFIX  # noqa: E402
 from backends.gguf_tensors import open_tensors  # noqa: E402
-from backends.torch import gguf_model  # noqa: E402
+from backends.torch import gguf_model, lean_ops  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.gguf_layers import GgufLinear  # noqa: E402
 from tests.distributions import assert_follows, two_token_law  # noqa: E402
@@ -126,6 +127,74 @@ def test_sampled_speculation_on_a_gguf_draws_from_the_targets_distribution(tmp_p
         accepted += done.stats.accepted
     assert_follows(counts, joint * n)
     assert accepted > 0  # the rejection rule was exercised on accepted drafts too
+
+
+# ---- the steps between matmuls in C (lean_ops): widths that fill whole vectors ----------
+
+needs_lean_ops = pytest.mark.skipif(not lean_ops.is_available(),
+                                    reason="lean_ops needs AVX-512 and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A GGUF whose hidden size, MLP width and head_dim (16) fill whole vectors."""
+    folder = tmp_path_factory.mktemp("wide")
+    model = TorchBackend().load(
+        str(save_gguf(tiny_llama(seed=4, hidden=64), folder / "wide.gguf", int(T.Q8_0))),
+        device="cpu", dtype="auto")
+    model.eos_token_ids = frozenset()
+    return model
+
+
+@needs_lean_ops
+def test_a_gguf_forward_takes_its_steps_between_matmuls_in_c(wide, target):
+    assert wide.lean.in_c
+    assert not target.lean.in_c  # head_dim 8 fills no vector: the torch steps
+
+
+def logits_of(model, in_c: bool, rows: int = len(PROMPT)) -> torch.Tensor:
+    model.lean.in_c = in_c
+    try:
+        return torch.as_tensor(model.start().forward(PROMPT, n_logits=rows).host_logits())
+    finally:
+        model.lean.in_c = lean_ops.is_available()
+
+
+@needs_lean_ops
+def test_the_c_steps_compute_what_the_torch_steps_compute(wide):
+    ours, torch_steps = logits_of(wide, True), logits_of(wide, False)
+    assert float((ours - torch_steps).norm() / torch_steps.norm()) < 0.02
+    assert torch.equal(ours.argmax(-1), torch_steps.argmax(-1))
+
+
+@needs_lean_ops
+def test_on_the_c_steps_each_row_gets_its_one_row_bits_in_any_block(wide):
+    block = logits_of(wide, True)
+    session = wide.start()
+    alone = [torch.as_tensor(session.forward([t]).host_logits()[-1]) for t in PROMPT]
+    assert torch.equal(block, torch.stack(alone))
+
+
+@needs_lean_ops
+def test_on_the_c_steps_plain_decoding_is_the_oracle(wide):
+    assert list(generate(wide).token_ids) == oracle(wide, PROMPT, 24)
+
+
+@needs_lean_ops
+@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "lookahead"])
+@pytest.mark.parametrize("k", KS)
+def test_on_the_c_steps_chains_and_trees_keep_the_plain_output(wide, kind, k):
+    drafter = build_drafter(kind, wide, backend=TorchBackend())
+    assert list(generate(wide, drafter, k=k).token_ids) == list(generate(wide).token_ids)
+
+
+@needs_lean_ops
+@pytest.mark.parametrize("k", KS)
+def test_on_the_c_steps_the_target_as_its_own_drafter_accepts_every_token(wide, k):
+    drafter = TorchBackend().make_drafter("draft", wide, draft=wide)
+    done = generate(wide, drafter, k=k)
+    assert list(done.token_ids) == list(generate(wide).token_ids)
+    assert done.stats.accepted == done.stats.drafted > 0
 
 
 def test_an_old_dequantized_copy_is_removed_and_said(files, capsys):

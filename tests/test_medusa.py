@@ -28,6 +28,7 @@ from backends.heads.medusa_format import read_medusa  # noqa: E402
 from backends.torch.arrays import TorchArrays  # noqa: E402
 from backends.torch.heads.medusa import MedusaHeads  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 from tests.tiny import mlx_twin, tiny_llama  # noqa: E402
 
@@ -71,25 +72,6 @@ def stand_in(n_heads: int, choices=None) -> MedusaDrafter:
     """A drafter whose heads have not read a state yet (its tree is set by hand)."""
     return MedusaDrafter(MedusaHeads(n_heads, 1, 32, 48), TorchArrays("cpu"), lambda h: h,
                          n_layers=2, choices=choices)
-
-
-class Recording:
-    """The drafter, with every proposed draft kept."""
-
-    def __init__(self, inner):
-        self.inner, self.drafts = inner, []
-        self.name, self.capture_layers = inner.name, inner.capture_layers
-
-    def begin(self, *args):
-        self.inner.begin(*args)
-
-    def propose(self, context, k):
-        draft = self.inner.propose(context, k)
-        self.drafts.append(draft)
-        return draft
-
-    def accept(self, feed):
-        self.inner.accept(feed)
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -150,7 +132,7 @@ def test_mlx_drafts_the_trees_torch_drafts_and_commits_the_same_tokens(layers):
     runs = {}
     for name in ("torch", "mlx"):
         on = (load_backend(name), load_base(name))
-        drafter = Recording(medusa(on, FIX / f"heads_l{layers}"))
+        drafter = RecordingDrafter(medusa(on, FIX / f"heads_l{layers}"))
         done = list(SpecEngine(on[1]).generate(PROMPT, SamplingParams(max_new_tokens=30),
                                                drafter=drafter, k=3))[-1]
         runs[name] = (done.token_ids, [(d.tokens, d.parents) for d in drafter.drafts])

@@ -35,6 +35,7 @@ from backends.heads.mtp_format import detect_mtp, read_layout  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from backends.torch.heads.mtp import load_mtp_drafter  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
@@ -211,24 +212,20 @@ def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(on, 
     assert drafter.propose([*PROMPT, 3], 4) == first  # drafting left no trace
 
 
-class Recording:
+class Recording(RecordingDrafter):
     """The drafter, with every proposed chain and every state it drafts from kept."""
 
     def __init__(self, inner):
-        self.inner, self.chains, self.states = inner, [], []
-        self.name, self.capture_layers = inner.name, inner.capture_layers
+        super().__init__(inner)
+        self.states = []
 
-    def begin(self, *args):
-        self.inner.begin(*args)
+    @property
+    def chains(self):
+        return [d.tokens for d in self.drafts]
 
     def propose(self, context, k):
-        draft = self.inner.propose(context, k)
-        self.chains.append(draft.tokens)
         self.states.append(np.array(self.inner.arrays.to_numpy(self.inner._last)))
-        return draft
-
-    def accept(self, feed):
-        self.inner.accept(feed)
+        return super().propose(context, k)
 
 
 @needs_mlx

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from backends.torch import lean_ops
 from backends.torch.attention import MAX_ROWWISE_ROWS
 
 # model types whose decoder layers are input norm, attention (q/k/v with optional bias, rope,
@@ -114,6 +115,10 @@ class LeanDecoder:
                         for layer in hf.model.layers]
         self._scaling = float(hf.model.layers[0].self_attn.scaling)
         self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
+        self._norms = [(layer.input_norm.weight, float(layer.input_norm.variance_epsilon))
+                       for layer in self._layers] + [
+                          (hf.model.norm.weight, float(hf.model.norm.variance_epsilon))]
+        self.in_c = _in_c(hf, self.head_dim, self._layers[0].intermediate)
 
     def new_cache(self, limit: int) -> StaticKV:
         """An empty cache that grows up to `limit` slots (the model's context length)."""
@@ -128,6 +133,9 @@ class LeanDecoder:
         hidden]; the rows' keys and values land in slots cache.length onwards, and
         cache.length advances by the rows. `keys` names each row's visible slots (None: a
         causal prompt, attended in one call); `head` replaces the model's output layer."""
+        if self.in_c:
+            return self._forward_in_c(cache, token_ids, positions, keys, n_logits, capture,
+                                      head)
         n, first = len(token_ids), cache.length
         cache.reserve(first + n)
         model = self._hf.model
@@ -147,6 +155,40 @@ class LeanDecoder:
         cache.length = first + n
         head = self._hf.get_output_embeddings() if head is None else head
         return head(model.norm(x[n - n_logits:])) if n_logits else x[:0], captured
+
+    def _forward_in_c(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
+                      keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int],
+                      head: torch.nn.Module | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """forward's contract, the steps between matmuls in lean_ops' C: a prompt's rows
+        (keys None) attend as a chain's do, each to the slots up to its own."""
+        n, first = len(token_ids), cache.length
+        cache.reserve(first + n)
+        model, heads, kv_heads, dim = self._hf.model, self.heads, self.kv_heads, self.head_dim
+        x = model.embed_tokens(torch.tensor(token_ids, dtype=torch.long)).contiguous()
+        cos, sin = model.rotary_emb(x[None], torch.tensor([list(positions)]))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [rows, dim]
+        slots = lean_ops.Slots.of(keys, first, n)
+        want = frozenset(capture)
+        captured: dict[int, torch.Tensor] = {}
+        normed = lean_ops.rmsnorm(x, *self._norms[0])
+        for index, layer in enumerate(self._layers):
+            qkv = layer.qkv(normed)
+            lean_ops.rope(qkv, heads + kv_heads, dim, cos, sin)
+            layer_keys, layer_values = cache.keys[index], cache.values[index]
+            lean_ops.store_kv(qkv, heads * dim, (heads + kv_heads) * dim, kv_heads, dim,
+                              layer_keys, layer_values, first)
+            attended = lean_ops.attention(qkv, heads, kv_heads, dim, layer_keys, layer_values,
+                                          slots, self._scaling)
+            x, normed = lean_ops.add_rmsnorm(x, layer.o_proj(attended), layer.post_norm.weight,
+                                             float(layer.post_norm.variance_epsilon))
+            down = layer.down_proj(lean_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
+            # the next layer's input norm, or the final norm after the last layer
+            x, normed = lean_ops.add_rmsnorm(x, down, *self._norms[index + 1])
+            if index in want:
+                captured[index] = x
+        cache.length = first + n
+        head = self._hf.get_output_embeddings() if head is None else head
+        return head(normed[n - n_logits:]) if n_logits else x[:0], captured
 
     def _attention(self, layer: _Layer, index: int, x: torch.Tensor, cache: StaticKV,
                    first: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -185,6 +227,14 @@ class LeanDecoder:
         out, _ = sdpa_attention_forward(self._attn, q.transpose(0, 1)[None], key, value, mask,
                                         scaling=self._scaling)
         return out.reshape(n, self.heads * self.head_dim)
+
+
+def _in_c(hf: Any, head_dim: int, intermediate: int) -> bool:
+    """Whether lean_ops computes the steps between matmuls: a GGUF model's float32 forward
+    (no transformers forward to match bit for bit) where the kernel runs and its widths fit."""
+    return (getattr(hf, "gguf_tensors", None) is not None and hf.dtype == torch.float32
+            and lean_ops.fits(int(hf.config.hidden_size), intermediate, head_dim)
+            and lean_ops.is_available())
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,10 @@
 Usage: python scripts/agreement.py MODEL --reference bfloat16 --dtypes w8a8,int4
        [--prompts PROMPTS.jsonl] [--limit 6]
 Each prompt (the chat template applied) plus the reference's own greedy continuation of
---new tokens is read in one forward per dtype; prints the share of positions after the
-prompt where each dtype's argmax equals the reference's, as one JSON line.
+--new tokens is read through a session, as serving reads it; prints the share of positions
+after the prompt where each dtype's argmax equals the reference's, as one JSON line.
+"gguf:torch" is a GGUF with the steps between its matmuls in torch rather than in C
+(backends/torch/lean_ops.py).
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ DEFAULT_PROMPTS = ["Write a Python function that checks whether a string is a pa
 
 
 def argmaxes(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.hf(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+    return torch.tensor(model.start().forward(ids, n_logits=len(ids)).argmax)
+
+
+def load(path: str, config: str):
+    dtype, _, steps = config.partition(":")
+    model = TorchBackend().load(path, device="cpu", dtype=dtype)
+    if steps == "torch" and model.lean is not None:
+        model.lean.in_c = False
+    return model
 
 
 def main() -> None:
@@ -59,7 +68,7 @@ def main() -> None:
     del reference
     result = {"reference": args.reference, "prompts": len(texts)}
     for dtype in args.dtypes.split(","):
-        model = TorchBackend().load(args.model, device="cpu", dtype=dtype)
+        model = load(args.model, dtype)
         same = total = 0
         for (n, ids), expected in zip(texts, ref):
             got = argmaxes(model, ids)[n - 1:-1]

@@ -30,6 +30,7 @@ from backends.torch.cbuild import build, compiler
 _SOURCE = Path(__file__).parent / "kernels" / "lean_ops.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")
 WIDTH = 16  # floats per vector: every width handed over is a multiple
+MAX_HEAD_DIM = 256  # kernels/lean_ops.c's MAX_DIM: a head's output row stays in registers
 
 Keys = slice | torch.Tensor  # as decoder.py names a row's visible slots
 
@@ -60,9 +61,10 @@ def is_available() -> bool:
     return True
 
 
-def fits(*widths: int) -> bool:
-    """Whether every width (hidden, intermediate, head_dim) fills whole vectors."""
-    return all(w % WIDTH == 0 for w in widths)
+def fits(hidden: int, intermediate: int, head_dim: int) -> bool:
+    """Whether every width fills whole vectors and a head's row fits the kernel's registers."""
+    return (all(w % WIDTH == 0 for w in (hidden, intermediate, head_dim))
+            and head_dim <= MAX_HEAD_DIM)
 
 
 @dataclass(frozen=True)

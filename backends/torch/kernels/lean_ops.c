@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#define MAX_DIM 256 /* head_dim at most (lean_ops.py checks) */
+
 /* e^x to about 1 ulp: 2^n e^r with r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
  * degree-6 polynomial; clamped so that scalef gives 0 below and a finite value above */
 static inline __m512 exp16(__m512 x) {
@@ -134,15 +136,19 @@ static void attend(const float *q, const float *keys, const float *values, int p
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
     }
     float inv = 1.0f / _mm512_reduce_add_ps(total);
-    for (int i = 0; i < dim; i += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int k = 0; k < n; k++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[k]),
-                                  _mm512_loadu_ps(values + (size_t)slot_of(k, prefix, extra) *
-                                                               dim + i),
-                                  acc);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    /* one pass over the values, up to MAX_DIM wide in registers; each output element still
+     * sums its keys in slot order */
+    __m512 acc[MAX_DIM / 16];
+    for (int i = 0; i < dim / 16; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < n; k++) {
+        const float *v = values + (size_t)slot_of(k, prefix, extra) * dim;
+        __m512 p = _mm512_set1_ps(scores[k]);
+        for (int i = 0; i < dim / 16; i++)
+            acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), acc[i]);
     }
+    for (int i = 0; i < dim / 16; i++)
+        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
 }
 
 /* out [rows, heads*dim] = softmax(q k^T * scale) v per row and query head, over the row's

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -45,3 +45,12 @@ def build(name: str, source: Path, flags: Sequence[str], link: Sequence[str] = (
                            check=True, capture_output=True, text=True)
             os.replace(built, target)
     return ctypes.CDLL(str(target))
+
+
+def loads(library: Callable[[], ctypes.CDLL]) -> bool:
+    """Whether library() builds and loads here (a kernel's is_available, past its CPU check)."""
+    try:
+        library()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return True

@@ -18,13 +18,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from backends.torch.cbuild import build, compiler
+from backends.torch.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "ggml_linear.c"
 _FLAGS = ("-O2", "-fPIC", "-shared", "-fopenmp")
@@ -77,13 +76,7 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def is_available() -> bool:
-    if unavailable_reason() is not None:
-        return False
-    try:
-        _library()
-    except (OSError, subprocess.CalledProcessError):
-        return False
-    return True
+    return unavailable_reason() is None and loads(_library)
 
 
 def can_compute(ggml_type: int) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 import threading
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler
+from backends.torch.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -49,13 +48,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def is_available() -> bool:
     """Whether the kernel builds and runs here (AVX-512 VNNI and a C compiler)."""
-    if not cpu_has_w4a8() or compiler() is None:
-        return False
-    try:
-        _library()
-    except (OSError, subprocess.CalledProcessError):
-        return False
-    return True
+    return cpu_has_w4a8() and compiler() is not None and loads(_library)
 
 
 def can_take(ggml_type: int, out_features: int, in_features: int) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler
+from backends.torch.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "lean_ops.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")
@@ -52,13 +51,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def is_available() -> bool:
     """Whether the kernel builds and runs here (AVX-512 and a C compiler)."""
-    if not cpu_has_w4a8() or compiler() is None:
-        return False
-    try:
-        _library()
-    except (OSError, subprocess.CalledProcessError):
-        return False
-    return True
+    return cpu_has_w4a8() and compiler() is not None and loads(_library)
 
 
 def fits(hidden: int, intermediate: int, head_dim: int) -> bool:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
 
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler
+from backends.torch.cbuild import build, compiler, loads
 from backends.torch.quant import bf16_bias, quantize_weight_int4, rows_are_invariant
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
@@ -59,13 +58,7 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def is_available() -> bool:
-    if unavailable_reason() is not None:
-        return False
-    try:
-        _library()
-    except (OSError, subprocess.CalledProcessError):
-        return False
-    return True
+    return unavailable_reason() is None and loads(_library)
 
 
 @functools.cache

@@ -52,6 +52,15 @@ def first_two_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
     return joint
 
 
+def second_token_law(target, prompt: list[int]) -> np.ndarray:
+    """p(second token) of plain sampled decoding at temperature 1 after prompt: the first is
+    sampled at the prefill, the second is the first a verify decides."""
+    from app.core.types import SamplingParams
+
+    return first_two_law(target, prompt, SamplingParams(temperature=1.0),
+                         target.vocab_size).sum(axis=0)
+
+
 def second_tokens(target, prompt: list[int], drafter, n: int, k: int = 2) -> np.ndarray:
     """Counts of the second committed token over n sampled generations (seeds 0..n-1) at
     temperature 1 with the drafter; the drafter must have drafted."""

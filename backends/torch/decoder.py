@@ -115,9 +115,10 @@ class LeanDecoder:
                         for layer in hf.model.layers]
         self._scaling = float(hf.model.layers[0].self_attn.scaling)
         self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
-        self._norms = [(layer.input_norm.weight, float(layer.input_norm.variance_epsilon))
-                       for layer in self._layers] + [
-                          (hf.model.norm.weight, float(hf.model.norm.variance_epsilon))]
+        # (weight, eps) of each layer's input norm, then of the final norm; each post norm's
+        self._norms = [_weight_eps(layer.input_norm) for layer in self._layers] + [
+            _weight_eps(hf.model.norm)]
+        self._post_norms = [_weight_eps(layer.post_norm) for layer in self._layers]
         self.in_c = _in_c(hf, self.head_dim, self._layers[0].intermediate)
 
     def new_cache(self, limit: int) -> StaticKV:
@@ -179,8 +180,8 @@ class LeanDecoder:
                               layer_keys, layer_values, first)
             attended = lean_ops.attention(qkv, heads, kv_heads, dim, layer_keys, layer_values,
                                           slots, self._scaling)
-            x, normed = lean_ops.add_rmsnorm(x, layer.o_proj(attended), layer.post_norm.weight,
-                                             float(layer.post_norm.variance_epsilon))
+            x, normed = lean_ops.add_rmsnorm(x, layer.o_proj(attended),
+                                             *self._post_norms[index])
             down = layer.down_proj(lean_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
             # the next layer's input norm, or the final norm after the last layer
             x, normed = lean_ops.add_rmsnorm(x, down, *self._norms[index + 1])
@@ -227,6 +228,10 @@ class LeanDecoder:
         out, _ = sdpa_attention_forward(self._attn, q.transpose(0, 1)[None], key, value, mask,
                                         scaling=self._scaling)
         return out.reshape(n, self.heads * self.head_dim)
+
+
+def _weight_eps(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, float(norm.variance_epsilon)
 
 
 def _in_c(hf: Any, head_dim: int, intermediate: int) -> bool:

@@ -106,7 +106,7 @@ class GgufLinear(torch.nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None
-        self._tiled = _tiled(parts, self.in_features)
+        self._tiled = _tiled(parts)
 
     def rows(self, ids: torch.Tensor) -> GgufLinear:
         """The layer restricted to output rows ids (one-part layers only)."""
@@ -131,14 +131,13 @@ class GgufLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def _tiled(parts: list[Part], in_features: int) -> kquant.Parts | None:
+def _tiled(parts: list[Part]) -> kquant.Parts | None:
     """The parts as one kquant call, where every part is on whole tiles of its own (one call
     quantizes the input once and splits all their tiles between the threads); else None."""
     if len(parts) > kquant.Parts.MAX or any(
             p.packed is None or p.packed_rows != p.out_features for p in parts):
         return None
-    return kquant.Parts([(p.ggml_type, p._packed_at, p.out_features, p.bias) for p in parts],
-                        in_features)
+    return kquant.Parts([(p.ggml_type, p._packed_at, p.out_features, p.bias) for p in parts])
 
 
 class GgufEmbedding(torch.nn.Module):

@@ -93,13 +93,12 @@ class Parts:
 
     MAX = 8
 
-    def __init__(self, weights: list[tuple[int, int, int, torch.Tensor | None]],
-                 in_features: int) -> None:
+    def __init__(self, weights: list[tuple[int, int, int, torch.Tensor | None]]) -> None:
         """weights: (ggml type, packed address, output rows, float32 bias or None) per part."""
         if not 0 < len(weights) <= self.MAX:
             raise ValueError(f"kquant multiplies 1 to {self.MAX} parts at once")
         count = len(weights)
-        self.count, self.in_features = count, in_features
+        self.count = count
         self.out_features = sum(n for _, _, n, _ in weights)
         columns = np.cumsum([0, *(n for _, _, n, _ in weights[:-1])])
         self._biases = [b for *_, b in weights]  # the addresses below point into these

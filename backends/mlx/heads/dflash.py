@@ -171,24 +171,22 @@ def load_dflash_drafter(target: Any, path: str) -> BlockDrafter:
         raise SpecdeckError(f"{spec.folder} uses {spec.get('hidden_act')!r}; the MLX DFlash "
                             "drafter runs silu layers: use --backend torch")
     model = DFlashModel(spec)
-    _load_weights(spec, model)
-    model.set_dtype(target.compute_dtype)
-    mx.eval(model.parameters())
+    _load_weights(spec, model, target.compute_dtype)
     return BlockDrafter(model, MlxArrays(target.stream), layer_ids=spec.layer_ids,
                         block_size=spec.block_size, mask_token_id=spec.mask_token_id,
                         embed=embed, lm_head=output, embed_scale=spec.embed_scale)
 
 
-def _load_weights(spec: DFlashSpec, model: DFlashModel) -> None:
+def _load_weights(spec: DFlashSpec, model: DFlashModel, dtype: mx.Dtype) -> None:
     load_checked(spec.weights, model, module_names,
-                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder)
+                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder, dtype)
 
 
 def load_checked(files: Any, model: nn.Module, rename: Callable[[dict], dict],
-                 check: Callable[[set, set], None], folder: Any) -> None:
+                 check: Callable[[set, set], None], folder: Any, dtype: mx.Dtype) -> None:
     """A block drafter's weights from its safetensors into model: the stored names renamed to
     the modules' (rename), missing and unexpected names refused by check, and every shape
-    matched, naming the first that differ."""
+    matched, naming the first that differ; then cast to dtype (the target's) and evaluated."""
     stored: dict[str, mx.array] = {}
     for file in files:
         try:
@@ -203,6 +201,8 @@ def load_checked(files: Any, model: nn.Module, rename: Callable[[dict], dict],
         raise SpecdeckError(f"{folder}: its tensors do not match its config: "
                             f"size mismatch {wrong[:3]}")
     model.load_weights(list(weights.items()))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
 
 
 def _rope(spec: DFlashSpec) -> nn.Module:

@@ -71,13 +71,11 @@ def load_dspark_drafter(target: Any, path: str, threshold: float = 0.0) -> DSpar
         raise SpecdeckError(f"{spec.folder} uses {spec.layers.get('hidden_act')!r}; the MLX "
                             "DSpark drafter runs silu layers: use --backend torch")
     model = DSparkModel(spec)
-    _load_weights(spec, model)
-    model.set_dtype(target.compute_dtype)
-    mx.eval(model.parameters())
+    _load_weights(spec, model, target.compute_dtype)
     return DSparkDrafter(model, MlxArrays(target.stream), spec.shape, embed=embed,
                          lm_head=output, threshold=threshold)
 
 
-def _load_weights(spec: DSparkSpec, model: DSparkModel) -> None:
+def _load_weights(spec: DSparkSpec, model: DSparkModel, dtype: mx.Dtype) -> None:
     load_checked(spec.layers.weights, model, stored_names,
-                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder)
+                 lambda missing, extra: check_tensors(spec, missing, extra), spec.folder, dtype)

@@ -17,7 +17,8 @@ import pytest
 from app.core import compute
 from app.core.engine import SpecEngine
 from app.drafters.ngram import NgramDrafter
-from app.serve.server import Served, build_app
+from app.serve.jobs import Served
+from app.serve.routes import build_app
 from tests.serving import CHAT_TEMPLATE
 from tests.tiny import tiny_llama
 

@@ -17,8 +17,8 @@ from app.core.types import SpecdeckError
 from app.drafters import kinds
 from app.drafters.kinds import BY_NAME, NAMES, TABLE, check
 from app.loading import load_engine
+from app.serve.jobs import Served
 from app.serve.requests import ApiError
-from app.serve.server import Served
 from app.ui.workbench import Workbench
 from backends import runs_of
 from backends.extras import BACKENDS

@@ -167,7 +167,7 @@ def test_a_pair_that_fails_to_load_is_a_500_naming_it_and_the_next_request_tries
 def test_a_request_cancelled_while_its_pair_loads_still_releases_it(monkeypatch) -> None:
     import asyncio
 
-    from app.serve import server
+    from app.serve import routes
 
     go = threading.Event()
 
@@ -176,11 +176,11 @@ def test_a_request_cancelled_while_its_pair_loads_still_releases_it(monkeypatch)
         return type("Served", (), {"model_id": pair_id})()
 
     pool = Pool([listed("a", GB)], slow_load, 10 * GB, keep_alive_s=0.0)
-    monkeypatch.setattr(server, "prepare_pooled",
+    monkeypatch.setattr(routes, "prepare_pooled",
                         lambda pool, chat, raw: (None, None, pool.acquire("a")))
 
     async def cancelled_mid_load() -> None:
-        task = asyncio.create_task(server._prepare_pooled_async(pool, False, b"{}"))
+        task = asyncio.create_task(routes._prepare_pooled_async(pool, False, b"{}"))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

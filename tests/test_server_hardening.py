@@ -28,8 +28,9 @@ from app.core.engine import SpecEngine
 from app.drafters.ngram import NgramDrafter
 from app.serve import prometheus
 from app.serve.admission import Gate
+from app.serve.jobs import DEFAULT_MAX_TOKENS, Served, sampling
 from app.serve.requests import ApiError, CompletionRequest
-from app.serve.server import DEFAULT_MAX_TOKENS, Served, build_app, sampling
+from app.serve.routes import build_app
 from tests.serving import CHAT_TEMPLATE, ROOT, save_tiny_model, serve_process
 from tests.tiny import tiny_llama
 

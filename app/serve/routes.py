@@ -1,0 +1,171 @@
+"""The HTTP routes: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics, with
+authentication and admission.
+
+Knows: FastAPI, the served engine or the pool, jobs, the relay and replies.
+Must not know: argparse or sockets.
+No `from __future__ import annotations` here: FastAPI reads the handlers' annotations, and
+the handlers are defined inside build_app so that `specdeck --help` never imports FastAPI.
+"""
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any
+
+from app.serve.admission import read_body, require_json
+from app.serve.jobs import Job, Served, prepare, prepare_pooled
+from app.serve.metrics import render_all
+from app.serve.pool import Pool
+from app.serve.relay import Run
+from app.serve.replies import Reply, collect, sse
+from app.serve.requests import ApiError, OpenAIRequest, error_body
+
+
+def build_app(served: Served, pool: Pool | None = None) -> Any:
+    """The FastAPI application for one served engine; with a pool, `served` holds only the
+    shared settings (key, gate, body limit) and each request names its pair."""
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+
+    def authorise(request: Request) -> None:
+        if served.api_key and request.url.path != "/health" and not _authorised(
+                request.headers.get("authorization", ""), served.api_key):
+            raise ApiError("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           status=401, code="invalid_api_key")
+
+    app = FastAPI(title="specdeck", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorise)])
+
+    def refusal(body: dict[str, Any], status: int, headers: Any = None) -> Response:
+        # ASCII JSON: an error quoting a client's text must never fail to encode
+        return Response(json.dumps(body), status_code=status, headers=headers,
+                        media_type="application/json")
+
+    @app.exception_handler(ApiError)
+    async def _refused(_request: Request, error: ApiError) -> Response:
+        return refusal(error.body(), error.status, error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request: Request, error: HTTPException) -> Response:
+        code = "not_found" if error.status_code == 404 else None
+        return refusal(error_body(str(error.detail), "invalid_request_error", code=code),
+                       error.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(_request: Request, _error: ClientDisconnect) -> Response:
+        # the client left before its body was read: nothing started and nobody reads this
+        # (nginx's 499 "client closed request"); not a crash, so no traceback in the log
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _crashed(_request: Request, error: Exception) -> Response:
+        return refusal(error_body(f"internal error: {type(error).__name__}: {error}",
+                                  "server_error"), 500)
+
+    @app.get("/health")
+    async def _health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def _models() -> dict[str, Any]:
+        return models_list(served) if pool is None else pool_models_list(pool)
+
+    @app.get("/metrics")
+    async def _metrics() -> PlainTextResponse:
+        text = (served.metrics.render(served.model_id) if pool is None
+                else render_all(served.pair_metrics))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def _complete(request: Request, chat: bool) -> Any:
+        require_json(request.headers.get("content-type"))
+        ticket = served.gate.admit()
+        try:
+            raw = await read_body(request.headers.get("content-length"), request.stream(),
+                                  served.max_body_bytes)
+            if pool is None:
+                body, job = await asyncio.to_thread(prepare, served, chat, raw)
+                target, on_end = served, None
+            else:
+                body, job, target = await _prepare_pooled_async(pool, chat, raw)
+                on_end = _releaser(pool, target.model_id, body.keep_alive)
+        except BaseException:
+            ticket.close()
+            raise
+        reply, run = Reply(target, job, chat), Run(target, job, ticket, on_end)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(run, reply, usage), media_type="text/event-stream")
+        try:
+            done = await collect(run, request.receive)
+        finally:
+            ticket.close()
+        if done.error:
+            return JSONResponse(error_body(f"generation failed: {done.error}", "server_error"),
+                                status_code=500)
+        return reply.whole(done)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Any:
+        return await _complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Any:
+        return await _complete(request, chat=False)
+
+    return app
+
+
+def models_list(served: Served) -> dict[str, Any]:
+    engine = served.engine
+    card = {"id": served.model_id, "object": "model", "created": int(time.time()),
+            "owned_by": "specdeck", "max_model_len": engine.target.context_length,
+            "specdeck": {"drafter": served.drafter_name, "k": engine.k,
+                         "backend": served.backend_name, "device": engine.target.device,
+                         "dtype": engine.target.dtype}}
+    return {"object": "list", "data": [card]}
+
+
+async def _prepare_pooled_async(pool: Pool, chat: bool, raw: bytes
+                                ) -> tuple[OpenAIRequest, Job, Served]:
+    """prepare_pooled off the event loop; a request cancelled while its pair loads releases
+    the pair once the load ends, so it can still be unloaded later."""
+    task = asyncio.ensure_future(asyncio.to_thread(prepare_pooled, pool, chat, raw))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def release(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                pool.release(done.result()[2].model_id)
+        task.add_done_callback(release)
+        raise
+
+
+def _releaser(pool: Pool, pair_id: str, keep_alive: Any) -> Any:
+    return lambda: pool.release(pair_id, keep_alive)
+
+
+def pool_models_list(pool: Pool) -> dict[str, Any]:
+    """Every installed pair, with the drafter it runs with and whether it is loaded now."""
+    cards = []
+    for item in pool.listed:
+        served = pool.served(item.pair_id)
+        info: dict[str, Any] = {"name": item.name, "drafter": item.drafter,
+                                "drafter_reason": item.drafter_reason,
+                                "loaded": served is not None, "memory_bytes": item.need_bytes}
+        if served is not None:
+            target = served.engine.target
+            info.update(drafter=served.drafter_name, k=served.engine.k,
+                        backend=served.backend_name, device=target.device, dtype=target.dtype)
+        cards.append({"id": item.pair_id, "object": "model", "created": int(time.time()),
+                      "owned_by": "specdeck", "max_model_len": item.context,
+                      "specdeck": info})
+    return {"object": "list", "data": cards}
+
+
+def _authorised(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())

@@ -83,7 +83,7 @@ def test_apple_check_keeps_to_what_macos_ships():
 
 
 def test_bench_drafters_all_are_the_kinds_check_lets_run_on_mlx_with_what_is_given(tmp_path):
-    from app.bench.run import _usable_kinds
+    from app.bench.cli import _usable_kinds
     from tests.serving import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "tiny")  # no MTP layers in its config

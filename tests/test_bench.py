@@ -15,8 +15,11 @@ import jsonschema
 import pytest
 
 from app.bench import run as bench
+from app.bench.prompts import BenchPrompt, load_prompts
 from app.bench.records import Record
-from app.bench.run import BenchPrompt, BenchSettings, first_divergence, summarise
+from app.bench.report import format_table, summary_line
+from app.bench.settings import BenchSettings
+from app.bench.stats import first_divergence, summarise
 from app.cli import main
 from app.core.types import SpecdeckError
 from backends.torch.backend import TorchBackend
@@ -138,7 +141,7 @@ def test_a_second_engines_configurations_are_checked_against_its_own_plain(targe
 
 def test_report_matches_the_written_schema(tiny_report):
     jsonschema.validate(tiny_report, REPORT_SCHEMA)
-    jsonschema.validate(bench.summary_line(tiny_report), SUMMARY_SCHEMA)
+    jsonschema.validate(summary_line(tiny_report), SUMMARY_SCHEMA)
     json.dumps(tiny_report)  # the whole report is JSON-ready
 
 
@@ -184,7 +187,7 @@ def test_a_k_the_engine_refuses_is_reported_unavailable_not_raised(tiny_report):
 
 
 def test_table_names_the_machine_and_every_configuration(tiny_report):
-    table = bench.format_table(tiny_report)
+    table = format_table(tiny_report)
     assert tiny_report["machine"]["cpu"] in table
     assert "torch cpu float32" in table
     for c in tiny_report["configs"]:
@@ -224,23 +227,23 @@ def test_speedups_are_same_prompt_ratios_and_divergences_are_named():
 
 
 def test_bundled_prompt_sets_keep_categories_and_limits():
-    spec = bench.load_prompts("spec-bench", limit=1)
+    spec = load_prompts("spec-bench", limit=1)
     assert [p.category for p in spec] == ["mt_bench", "translation", "summarization", "qa",
                                           "math_reasoning", "rag"]
-    humaneval = bench.load_prompts("humaneval", limit=3)
+    humaneval = load_prompts("humaneval", limit=3)
     assert [p.id for p in humaneval] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     assert humaneval[0].text.startswith("from typing import List")
-    coding = bench.load_prompts("mt-bench:coding,math")
+    coding = load_prompts("mt-bench:coding,math")
     assert {p.category for p in coding} == {"coding", "math"} and len(coding) == 20
-    rewrite = bench.load_prompts("humaneval-rewrite", limit=1)[0]
+    rewrite = load_prompts("humaneval-rewrite", limit=1)[0]
     assert "for idx, elem in enumerate(numbers)" in rewrite.text  # the solution is quoted
 
 
 def test_unknown_prompt_set_is_refused_with_the_known_names():
     with pytest.raises(SpecdeckError, match="spec-bench, mt-bench, humaneval"):
-        bench.load_prompts("nope")
+        load_prompts("nope")
     with pytest.raises(SpecdeckError, match="pick from"):
-        bench.load_prompts("humaneval:poetry")
+        load_prompts("humaneval:poetry")
 
 
 def write_jsonl(path: Path, prompts: list[BenchPrompt]) -> Path:

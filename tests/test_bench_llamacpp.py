@@ -18,8 +18,9 @@ import pytest
 
 from app.bench import llamacpp
 from app.bench import run as bench
+from app.bench.prompts import BenchPrompt
 from app.bench.report import format_table, summary_line
-from app.bench.run import BenchPrompt, BenchSettings
+from app.bench.settings import BenchSettings
 from app.cli import main
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError

@@ -254,9 +254,10 @@ def test_lookup_then_a_head_gives_exactly_plain_greedy_decoding_and_both_draft(
 
 def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
     from app.bench import run as bench
+    from app.bench.settings import BenchSettings
     from tests.test_bench import word_prompts
 
-    settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
+    settings = BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
                                    max_new_tokens=8, head=str(heads["speculators"]), warmup=0)
     report = bench.run_bench(deep_target, word_prompts(2), settings, backend=TorchBackend())
     names = {c["name"] for c in report["configs"]}

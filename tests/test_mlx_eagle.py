@@ -324,10 +324,11 @@ def test_generate_with_backend_mlx_and_a_head_folder_equals_plain_output(twins, 
 
 def test_bench_on_mlx_runs_a_head_as_a_chain_and_as_a_tree(twins, heads):
     from app.bench import run as bench
+    from app.bench.settings import BenchSettings
     from tests.test_bench import word_prompts
 
     _, target = twins
-    settings = bench.BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
+    settings = BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
                                    max_new_tokens=8, head=str(heads["layers"]), warmup=0)
     runners, unavailable = bench.build_runners(target, settings, backend=MlxBackend())
     assert [r.config.name for r in runners] == ["plain", "eagle3 k=3", "eagle3:tree k=3"]

@@ -184,6 +184,8 @@ class BenchHandlers:
             k: str | int) -> Iterator[tuple]:
         """Yield (log, summary, table, tok/s plot, τ plot, notice) while the benchmark runs."""
         from app.bench import run as benchmark
+        from app.bench.prompts import load_prompts
+        from app.bench.settings import BenchSettings
 
         if not self.bench.loaded:
             yield _skip(notice("no model is loaded: load one in the Models tab first"))
@@ -192,11 +194,10 @@ class BenchHandlers:
             yield _skip(notice("pick at least one drafter to compare with plain decoding"))
             return
         try:
-            settings = benchmark.BenchSettings(drafters=tuple(drafters), ks=(parse_k(k),),
-                                               max_new_tokens=whole(max_new_tokens,
-                                                                    BENCH_MAX_NEW),
-                                               head=self.bench.head)
-            chosen = benchmark.load_prompts(prompts, whole(limit, BENCH_LIMIT))
+            settings = BenchSettings(drafters=tuple(drafters), ks=(parse_k(k),),
+                                     max_new_tokens=whole(max_new_tokens, BENCH_MAX_NEW),
+                                     head=self.bench.head)
+            chosen = load_prompts(prompts, whole(limit, BENCH_LIMIT))
         except Exception as error:  # noqa: BLE001 - shown in the page; nothing was taken
             yield _skip(notice(refusal(error)))
             return
@@ -280,7 +281,7 @@ class BenchTab:
 def build_bench_tab(bench: Workbench) -> BenchTab:
     """Lay out the Bench tab; without app.bench.run it says how to run the CLI."""
     try:
-        from app.bench import run as benchmark
+        from app.bench.prompts import PROMPT_SETS
     except ImportError:
         gr.Markdown(f"The benchmark is not part of this build yet. {CLI_HINT}",
                     elem_id="bench-placeholder")
@@ -293,7 +294,7 @@ def build_bench_tab(bench: Workbench) -> BenchTab:
                 "model: chat and race wait until it ends.")
     bench_notice = gr.HTML("", elem_id="bench-notice")
     with gr.Row():
-        prompts = gr.Dropdown(list(benchmark.PROMPT_SETS), value="humaneval",
+        prompts = gr.Dropdown(list(PROMPT_SETS), value="humaneval",
                               allow_custom_value=True, label="Prompts (set or JSONL path)")
         limit = gr.Slider(BENCH_LIMIT.low, BENCH_LIMIT.high, value=1, step=1,
                           label=BENCH_LIMIT.label, elem_id="bench-limit")

@@ -16,6 +16,7 @@ from app.catalogue import planner
 from app.catalogue.planner import Sizing
 from app.catalogue.registry import load_catalogue
 from app.core.types import SpecdeckError
+from app.store.cli import models_table
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GB = 10**9
@@ -448,14 +449,14 @@ def test_models_why_prints_the_pairs_memory_rows_and_its_unverified_sources(tmp_
                                                                             monkeypatch):
     monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))
     rows = store.list_pairs("torch", "cuda", 40 * GB, 4096)
-    text = store.models_table(rows, 4096, why=True)
+    text = models_table(rows, 4096, why=True)
     block = text.split("\nqwen3-4b+dspark")[1].split("\nqwen3-8b+dspark")[0]
     assert ("    unverified: deepseek-ai/dspark_qwen3_4b_block7: id and files from DeepSpec's "
             "README, not checked on the hub") in block
     assert ("    memory with dspark: target weights 8.04 GB; drafter weights 2.79 GB; verify "
             "state 5.1 MB (8 rows); KV per token 144.0 KiB target + 20.0 KiB drafter; "
             "servable context 40960 plain / 40960 with the drafter") in block
-    assert "unverified" not in store.models_table(rows, 4096).split("\nsmollm2")[1].split("\n")[1]
+    assert "unverified" not in models_table(rows, 4096).split("\nsmollm2")[1].split("\n")[1]
     dspark = next(r for r in rows if r.pair.id == "qwen3-4b+dspark").to_dict()
     assert dspark["unverified"] == ["deepseek-ai/dspark_qwen3_4b_block7: id and files from "
                                     "DeepSpec's README, not checked on the hub"]

@@ -171,6 +171,7 @@ def test_on_mlx_medusa_heads_are_weighed_as_on_torch(catalogue):
 
 def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path, monkeypatch):
     from app import store
+    from app.store.cli import models_table
     from app.ui.models import catalogue_frame, pair_details
     from app.ui.workbench import Workbench
 
@@ -184,7 +185,7 @@ def test_models_and_the_ui_show_what_auto_picks_and_why_not_the_others(tmp_path,
         "none here: mtp (the target carries no MTP layers); dspark, dflash, eagle3, eagle, "
         "medusa (the catalogue ships none for this target); draft (the catalogue has no "
         "smaller smollm2 model)"]
-    text = store.models_table(rows, 4096, why=True)
+    text = models_table(rows, 4096, why=True)
     assert f"not medusa medusa-vicuna-7b: {PICKLE}" in text
     bench = Workbench(backend="torch", device="cpu")
     table = catalogue_frame(bench)

@@ -232,6 +232,7 @@ class ModelsHandlers:
 
     def _pull(self, pair_id: str | None, verify: bool) -> Iterator[tuple]:
         from app import store
+        from app.store.cli import pull_summary
 
         if not pair_id:
             yield gr.skip(), gr.skip(), notice("pick a pair first")
@@ -254,7 +255,7 @@ class ModelsHandlers:
             yield gr.skip(), _catalogue_or_empty(self.bench), notice(job.error)
             return
         done = job.done
-        text = (store.pull_summary(done, verify=True) if verify else
+        text = (pull_summary(done, verify=True) if verify else
                 f"{pair_id} is ready: {human_bytes(done.bytes_downloaded)} in "
                 f"{done.seconds:.0f} s. Press Load.")
         yield (f'<div class="sd-progress" data-finished="true">{html.escape(text)}</div>',

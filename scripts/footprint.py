@@ -26,7 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.catalogue import planner  # noqa: E402
+from app.catalogue import sizing  # noqa: E402
 from app.catalogue.registry import load_catalogue  # noqa: E402
 from app.store.layout import model_path  # noqa: E402
 
@@ -130,7 +130,7 @@ def estimate(pair, runs: list[dict]) -> dict:
     from backends.torch.decoder import FIRST_CAPACITY
 
     gib = 2**30
-    held, tab = (planner.pair_fit(pair, "torch", "cpu", 64 * gib, context).memory_bytes / gib
+    held, tab = (sizing.pair_fit(pair, "torch", "cpu", 64 * gib, context).memory_bytes / gib
                  for context in (FIRST_CAPACITY, 4096))
     peak = sorted(run["peak_rss_gib"] for run in runs)[len(runs) // 2] if runs else None
     return {"served_context": FIRST_CAPACITY, "estimate_gib": held, "estimate_4096_gib": tab,

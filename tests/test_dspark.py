@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from app.catalogue.planner import arch_from_config  # noqa: E402
+from app.catalogue.target_info import arch_from_config  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from app import store
-from app.catalogue import planner
-from app.catalogue.planner import Sizing
+from app.catalogue import hardware, planner, preference, sizing, target_info
 from app.catalogue.registry import load_catalogue
+from app.catalogue.sizing import Sizing
 from app.core.types import SpecdeckError
 from app.store.cli import models_table
 
@@ -47,18 +47,18 @@ def model_folder(tmp_path: Path, name: str, params: int = 0) -> Path:
 @pytest.fixture(autouse=True)
 def no_gguf_kernel(monkeypatch):
     """The rules for sources torch converts; the tests of a GGUF on its blocks switch it on."""
-    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: False)
+    monkeypatch.setattr(hardware, "_gguf_runs_here", lambda: False)
 
 
 # ---- arithmetic ------------------------------------------------------------------------
 
 
 def test_kv_bytes_per_token_of_two_real_configs_match_the_hand_computed_values(catalogue):
-    qwen = planner.arch_from_config(config("qwen2.5-coder-1.5b-instruct"))
-    llama = planner.arch_from_config(config("llama-3.1-8b-instruct"))
-    assert planner.kv_bytes_per_token(qwen, 2) == 28 * 2 * 128 * 2 * 2 == 28_672
-    assert planner.kv_bytes_per_token(qwen, 4) == 57_344  # fp32, as torch runs on a CPU
-    assert planner.kv_bytes_per_token(llama, 2) == 32 * 8 * 128 * 2 * 2 == 131_072
+    qwen = target_info.arch_from_config(config("qwen2.5-coder-1.5b-instruct"))
+    llama = target_info.arch_from_config(config("llama-3.1-8b-instruct"))
+    assert sizing.kv_bytes_per_token(qwen, 2) == 28 * 2 * 128 * 2 * 2 == 28_672
+    assert sizing.kv_bytes_per_token(qwen, 4) == 57_344  # fp32, as torch runs on a CPU
+    assert sizing.kv_bytes_per_token(llama, 2) == 32 * 8 * 128 * 2 * 2 == 131_072
     # the catalogue carries the same numbers as the checkpoints' configs
     assert catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").arch == qwen
     assert catalogue.model("llama3.1-8b-instruct").arch == llama
@@ -67,7 +67,7 @@ def test_kv_bytes_per_token_of_two_real_configs_match_the_hand_computed_values(c
 def test_fit_of_llama_8b_with_its_1b_draft_on_24gb_of_cuda_matches_the_hand_computation(
         catalogue):
     pair = catalogue.pair("llama3.1-8b+3.2-1b")
-    fit = planner.pair_fit(pair, "torch", "cuda", 24 * GB, 4096)
+    fit = sizing.pair_fit(pair, "torch", "cuda", 24 * GB, 4096)
     # 10% kept back, and the runtime's 400 MiB
     assert (fit.dtype, fit.usable_bytes) == ("bfloat16", 21_600_000_000 - 400 * 2**20)
     assert fit.target_weights_bytes == 8_030_261_248 * 2
@@ -84,9 +84,9 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
         catalogue, monkeypatch):
     monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)  # a CPU without bf16
     monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)  # nor VNNI: float32
-    monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)  # nor torch's int4 kernel
+    monkeypatch.setattr(hardware, "_torch_has_int4", lambda: False)  # nor torch's int4 kernel
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
-    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
+    fit = sizing.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu",
                            16 * GB, 4096)
     assert (fit.dtype, fit.target_kv_per_token, fit.drafter_kv_per_token) == \
         ("float32", 57_344, 24 * 2 * 64 * 2 * 4)
@@ -109,22 +109,22 @@ def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue
     runs = ("w4a8" if w4a8.is_exact() else
             "int4" if int4_is_available() and int4_is_exact() else
             "w8a8" if w8a8_is_exact() else unquantized)
-    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+    fit = sizing.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     assert fit.dtype == runs
-    assert planner.dtype_for("torch", "cpu", "safetensors-bf16") == unquantized
+    assert hardware.dtype_for("torch", "cpu", "safetensors-bf16") == unquantized
     assert fit.target_kv_per_token == 57_344 // (1 if runs == "float32" else 2)
 
 
 def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeypatch):
     pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
     monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)
-    monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr(hardware, "_torch_has_int4", lambda: False)
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)
-    fp32 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    fp32 = sizing.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: True)
-    bf16 = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    bf16 = sizing.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     assert bf16.target_weights_bytes * 2 == fp32.target_weights_bytes
 
@@ -132,9 +132,9 @@ def test_a_cpu_with_native_bf16_plans_half_the_float32_memory(catalogue, monkeyp
 def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(catalogue,
                                                                            monkeypatch):
     monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: True)
-    monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr(hardware, "_torch_has_int4", lambda: False)
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
-    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+    fit = sizing.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     assert fit.dtype == "w8a8"
     assert fit.target_weights_bytes == catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
@@ -143,29 +143,29 @@ def test_a_quantized_gguf_on_a_vnni_cpu_plans_int8_weights_and_a_bf16_cache(cata
 
 def test_a_4_bit_gguf_where_torch_has_int4_plans_its_codes_and_their_scales(catalogue,
                                                                                 monkeypatch):
-    monkeypatch.setattr(planner, "_torch_has_int4", lambda: True)
+    monkeypatch.setattr(hardware, "_torch_has_int4", lambda: True)
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
-    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+    fit = sizing.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
     assert fit.dtype == "int4"
     assert fit.target_weights_bytes == int(params * 0.625)
     assert fit.target_kv_per_token == 57_344 // 2
-    assert planner.dtype_for("torch", "cpu", "gguf-q8_0") != "int4"
+    assert hardware.dtype_for("torch", "cpu", "gguf-q8_0") != "int4"
 
 
 def test_an_ngram_drafter_costs_no_context():
     target = Sizing(weights_bytes=GB, kv_bytes_per_token=1000, context_limit=10**7)
-    fit = planner.fit(target, None, 3 * GB, 1000)
+    fit = sizing.fit(target, None, 3 * GB, 1000)
     assert fit.max_context_plain == fit.max_context_spec == (2_700_000_000 - GB) // 1000
 
 
 def test_parse_bytes_reads_the_usual_units():
-    assert planner.parse_bytes("16GB") == 16 * GB
-    assert planner.parse_bytes("12 GiB") == 12 * 2**30
-    assert planner.parse_bytes("800mb") == 800 * 10**6
+    assert sizing.parse_bytes("16GB") == 16 * GB
+    assert sizing.parse_bytes("12 GiB") == 12 * 2**30
+    assert sizing.parse_bytes("800mb") == 800 * 10**6
     with pytest.raises(SpecdeckError, match="16GB"):
-        planner.parse_bytes("lots")
+        sizing.parse_bytes("lots")
 
 
 # ---- choices ---------------------------------------------------------------------------
@@ -272,10 +272,10 @@ def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path,
                                                                        monkeypatch):
     monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: False)  # float32 weights
     monkeypatch.setattr("backends.cpu.cpu_has_vnni", lambda: False)
-    monkeypatch.setattr(planner, "_torch_has_int4", lambda: False)
+    monkeypatch.setattr(hardware, "_torch_has_int4", lambda: False)
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: False)
     folder = model_folder(tmp_path, "qwen2.5-coder-1.5b-instruct", params=12_345)
-    info = planner.describe(str(folder), catalogue)
+    info = target_info.describe(str(folder), catalogue)
     assert info.params == 12_345 and info.arch.kv_heads == 2 and info.family == "qwen2.5"
     plan = planner.plan(str(folder), "torch", "cpu", 16 * GB, catalogue=catalogue)
     assert plan.fit.target_weights_bytes == 12_345 * 4  # its own size, not the catalogue's
@@ -286,16 +286,16 @@ def test_a_local_folder_is_read_from_its_config_and_safetensors_header(tmp_path,
 
 def test_an_unknown_target_is_refused_with_what_to_give(catalogue):
     with pytest.raises(SpecdeckError, match="pair id or model from `specdeck models`"):
-        planner.describe("no/such-model", catalogue)
+        target_info.describe("no/such-model", catalogue)
 
 
 @pytest.mark.slow
 def test_a_real_gguf_header_gives_the_real_numbers(smollm2_gguf, catalogue):
-    info = planner.describe(str(smollm2_gguf), catalogue)
+    info = target_info.describe(str(smollm2_gguf), catalogue)
     assert (info.arch.layers, info.arch.kv_heads, info.arch.head_dim, info.arch.vocab) == \
         (30, 3, 64, 49152)
     assert info.params == 134_515_008 and info.family == "smollm2"
-    assert planner.kv_bytes_per_token(info.arch, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
+    assert sizing.kv_bytes_per_token(info.arch, 4) == 30 * 3 * 64 * 2 * 4 == 46_080
 
 
 # ---- --target PAIR and --drafter auto ------------------------------------------------
@@ -337,12 +337,12 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
 def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_never(
         catalogue, monkeypatch):
     monkeypatch.setattr("backends.cpu.cpu_has_w4a8", lambda: True)
-    fit = planner.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
+    fit = sizing.pair_fit(catalogue.pair("qwen2.5-coder-1.5b+0.5b"), "torch", "cpu", 16 * GB,
                            4096)
     params = catalogue.model("qwen2.5-coder-1.5b-instruct-q4km").params
     assert fit.dtype == "w4a8"
     assert fit.target_weights_bytes == int(params * 0.625)
-    assert planner.dtype_for("torch", "cpu", "gguf-q8_0") not in ("int4", "w4a8")
+    assert hardware.dtype_for("torch", "cpu", "gguf-q8_0") not in ("int4", "w4a8")
 
 
 def _trained_eagle3(tmp_path: Path, tau: float | None) -> Path:
@@ -380,14 +380,14 @@ def test_a_gguf_cut_short_after_its_magic_is_refused_naming_the_fix(tmp_path, ca
     partial = tmp_path / "partial.gguf"
     partial.write_bytes(b"GGUF")
     with pytest.raises(SpecdeckError, match="download it again"):
-        planner.describe(str(partial), catalogue)
+        target_info.describe(str(partial), catalogue)
 
 
 def test_a_gguf_on_a_cpu_with_its_kernel_plans_the_files_bytes_and_a_float32_cache(
         catalogue, monkeypatch):
-    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: True)
+    monkeypatch.setattr(hardware, "_gguf_runs_here", lambda: True)
     pair = catalogue.pair("qwen2.5-coder-1.5b+0.5b")
-    fit = planner.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
+    fit = sizing.pair_fit(pair, "torch", "cpu", 16 * GB, 4096)
     target_file = pair.target.download_bytes("torch")[0]
     draft_file = pair.drafter.download_bytes("torch")[0]
     light_head = int(151_936 * 896 * 0.625)  # the draft's 4-bit output layer it drafts with
@@ -400,7 +400,7 @@ def test_a_gguf_on_a_cpu_with_its_kernel_plans_the_files_bytes_and_a_float32_cac
 
 
 def test_a_local_gguf_is_planned_at_its_size_on_disk(tmp_path, catalogue, monkeypatch):
-    monkeypatch.setattr(planner, "_gguf_runs_here", lambda: True)
+    monkeypatch.setattr(hardware, "_gguf_runs_here", lambda: True)
     torch = pytest.importorskip("torch")  # noqa: F841 - tests.tiny builds the file with it
     from gguf import GGMLQuantizationType
 
@@ -416,7 +416,7 @@ def test_a_local_gguf_is_planned_at_its_size_on_disk(tmp_path, catalogue, monkey
 
 
 def test_the_dspark_pairs_verify_state_and_kv_cache_match_the_hand_computation(catalogue):
-    fit = planner.pair_fit(catalogue.pair("qwen3-4b+dspark"), "torch", "cuda", 40 * GB, 4096)
+    fit = sizing.pair_fit(catalogue.pair("qwen3-4b+dspark"), "torch", "cuda", 40 * GB, 4096)
     assert fit.dtype == "bfloat16"
     assert fit.drafter_weights_bytes == 1_394_000_000 * 2
     assert fit.drafter_kv_per_token == 5 * 8 * 128 * 2 * 2 == 20_480  # five drafter layers
@@ -429,20 +429,20 @@ def test_the_dspark_pairs_verify_state_and_kv_cache_match_the_hand_computation(c
 
 
 def test_medusa_heads_keep_no_kv_cache_and_an_eagle3_head_captures_three_layers(catalogue):
-    medusa = planner.pair_fit(catalogue.pair("vicuna-7b+medusa"), "torch", "cuda", 40 * GB, 2048)
+    medusa = sizing.pair_fit(catalogue.pair("vicuna-7b+medusa"), "torch", "cuda", 40 * GB, 2048)
     assert medusa.drafter_kv_per_token == 0 and medusa.drafter_weights_bytes > 0
-    eagle3 = planner.pair_fit(catalogue.pair("qwen3-4b+eagle3"), "torch", "cuda", 40 * GB, 4096)
+    eagle3 = sizing.pair_fit(catalogue.pair("qwen3-4b+eagle3"), "torch", "cuda", 40 * GB, 4096)
     assert eagle3.verify_bytes == 7 * (151_936 * 4 + 3 * 2560 * 2)
-    ngram = planner.pair_fit(catalogue.pair("smollm2-135m+ngram"), "torch", "cuda", GB, 4096)
+    ngram = sizing.pair_fit(catalogue.pair("smollm2-135m+ngram"), "torch", "cuda", GB, 4096)
     assert (ngram.drafter_weights_bytes, ngram.drafter_kv_per_token) == (0, 0)
     assert ngram.verify_bytes == 5 * 49_152 * 4  # logits only: it reads no hidden state
 
 
 def test_the_planners_order_is_data_and_every_kind_in_it_has_a_place_and_a_reason():
-    kinds = [rank.kind for rank in planner.PREFERENCE]
-    assert len(kinds) == len(set(kinds)) and all(rank.why for rank in planner.PREFERENCE)
-    assert planner.HEAD_KINDS == ("dspark", "dflash", "eagle3", "eagle", "medusa")
-    assert planner.MODEL_FREE == {"lookahead", "ngram"}
+    kinds = [rank.kind for rank in preference.PREFERENCE]
+    assert len(kinds) == len(set(kinds)) and all(rank.why for rank in preference.PREFERENCE)
+    assert preference.HEAD_KINDS == ("dspark", "dflash", "eagle3", "eagle", "medusa")
+    assert preference.MODEL_FREE == {"lookahead", "ngram"}
 
 
 def test_models_why_prints_the_pairs_memory_rows_and_its_unverified_sources(tmp_path,

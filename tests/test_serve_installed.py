@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.catalogue import planner
+from app.catalogue import sizing
 from app.core.types import SamplingParams, SpecdeckError
 from app.serve import prometheus
 from app.serve.pool import Listed, Pool, parse_duration
@@ -297,7 +297,7 @@ def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
         needs = {m.id: m.specdeck["memory_bytes"] for m in client.models.list().data}
     usable = (max(needs.values()) + sum(needs.values())) // 2
     # the pool keeps 10% back, and the runtime's share, as the planner does
-    limit = int((usable + planner.RUNTIME_BYTES["torch"]) / 0.9) + 1
+    limit = int((usable + sizing.RUNTIME_BYTES["torch"]) / 0.9) + 1
     with serve_installed(home, log, "--memory-limit", str(limit)) as url, \
             openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
         assert all(n <= usable for n in needs.values()) and sum(needs.values()) > usable

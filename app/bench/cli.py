@@ -177,13 +177,13 @@ def _usable_kinds(args: argparse.Namespace, target: str, draft_path: str | None,
     """--drafters all: the kinds kinds.check lets run on this backend with the draft model,
     head and MTP layers at hand (a kind added to app/drafters/kinds.py appears here by
     itself); the other asked kinds keep their places."""
-    from app.catalogue import planner
+    from app.catalogue import target_info
     from app.drafters import kinds as kind_table
     from backends import runs_of
 
     runs = runs_of(args.backend)
     try:
-        mtp_layers = planner.describe(args.pair or target).arch.mtp_layers
+        mtp_layers = target_info.describe(args.pair or target).arch.mtp_layers
     except SpecdeckError:
         mtp_layers = None  # the backend says at build time
     # a head's own kind is not read here: a head kind it is not fails at build, with why

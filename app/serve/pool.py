@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.catalogue import planner
+from app.catalogue import sizing
 from app.core.types import SpecdeckError
 from app.serve.requests import ApiError, shown
 
@@ -53,7 +53,7 @@ def parse_duration(value: Any, what: str = "keep_alive") -> float:
     return float("inf") if seconds < 0 else seconds
 
 
-def need_bytes(fit: planner.Fit, context: int = NEED_CONTEXT) -> int:
+def need_bytes(fit: sizing.Fit, context: int = NEED_CONTEXT) -> int:
     """Weights of the target and drafter, and their KV cache for one stream of `context`."""
     tokens = min(context, fit.context_limit or context)
     return (fit.target_weights_bytes + fit.drafter_weights_bytes
@@ -92,7 +92,7 @@ class Pool:
         self._load, self._clock, self._log = load, clock, log
         self.budget_bytes = budget_bytes
         # as the planner counts it: RESERVE kept back, and the process's own runtime
-        self.usable_bytes = int(budget_bytes * (1 - planner.RESERVE)) - runtime_bytes
+        self.usable_bytes = int(budget_bytes * (1 - sizing.RESERVE)) - runtime_bytes
         self.max_loaded = max_loaded
         self._state = threading.Condition()  # entries' served/refs/last_used
         self._loading = threading.Lock()  # one load at a time

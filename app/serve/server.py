@@ -143,9 +143,9 @@ def _serve_installed(args: argparse.Namespace) -> int:
 def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
     """The installed pairs with the drafter each would run (the planner's choice, or
     --drafter) and its memory need; the memory budget they share, and what the process
-    itself takes of it (planner.RUNTIME_BYTES)."""
+    itself takes of it (sizing.RUNTIME_BYTES)."""
     from app import store
-    from app.catalogue import planner
+    from app.catalogue import hardware, planner, sizing
     from app.catalogue.registry import load_catalogue
     from backends import detect_backend
 
@@ -153,8 +153,8 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
     backend = detect_backend() if args.backend == "auto" else args.backend
     if args.max_loaded < 0:
         raise SpecdeckError(f"--max-loaded must be >= 0 (got {args.max_loaded})")
-    budget = (planner.parse_bytes(args.memory_limit) if args.memory_limit
-              else planner.available_memory(backend, args.device))
+    budget = (sizing.parse_bytes(args.memory_limit) if args.memory_limit
+              else hardware.available_memory(backend, args.device))
     rows = [r for r in store.list_pairs(backend, args.device, memory=budget, catalogue=catalogue)
             if r.installed]
     if not rows:
@@ -170,7 +170,7 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
         reason = "--drafter" if drafter == args.drafter else plan.choice.reason
         listed.append(Listed(row.pair.id, row.pair.name, drafter, reason, need_bytes(plan.fit),
                              row.pair.target.arch.context))
-    return listed, budget, planner.RUNTIME_BYTES.get(backend, 0)
+    return listed, budget, sizing.RUNTIME_BYTES.get(backend, 0)
 
 
 def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.catalogue import planner
+from app.catalogue import hardware, planner, sizing
 from app.catalogue.registry import (
     Catalogue,
     HubSource,
@@ -99,7 +99,7 @@ class PairStatus:
     download_bytes: int
     download_exact: bool
     disk_bytes: int
-    fit: planner.Fit | None = field(default=None)
+    fit: sizing.Fit | None = field(default=None)
     plan: planner.Plan | None = field(default=None)  # what --drafter auto runs for its target
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,13 +201,13 @@ def list_pairs(backend: str | None = None, device: str = "auto", memory: int | N
     catalogue = catalogue or load_catalogue()
     backend = _backend(backend)
     if memory is None:
-        memory = planner.available_memory(backend, device)
+        memory = hardware.available_memory(backend, device)
     rows = []
     for pair in catalogue.pairs.values():
         runs = backend in pair.backends
         note = pair.status_note or ("" if runs else f"not for {backend}")
         sizes = [_download_bytes(m, backend) for m in pair.models] if runs else [(0, False)]
-        fit = planner.pair_fit(pair, backend, device, memory, context) if runs else None
+        fit = sizing.pair_fit(pair, backend, device, memory, context) if runs else None
         plan = planner.plan(pair.target.id, backend, device, memory, context, catalogue,
                             installed=lambda m: model_path(m, backend)) if runs else None
         rows.append(PairStatus(pair=pair, backend=backend,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.catalogue import planner
+from app.catalogue import sizing
 from app.catalogue.registry import load_catalogue
 from app.store import SOURCES, PairStatus, PullResult, list_pairs, pull
 from app.store.layout import human_bytes
@@ -72,7 +72,7 @@ def pull_summary(result: PullResult, verify: bool = False) -> str:
 
 
 def _models_command(args: Any) -> int:
-    memory = planner.parse_bytes(args.memory) if args.memory else None
+    memory = sizing.parse_bytes(args.memory) if args.memory else None
     rows = list_pairs(args.backend, args.device, memory, args.context,
                       load_catalogue(args.catalogue))
     if args.json:

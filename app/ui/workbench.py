@@ -280,10 +280,10 @@ def _head_kind(head: str | None, auto_kind: Choice | None) -> str | None:
 
 def _mtp_layers(target_path: str) -> int:
     """The target's own MTP layers, from its config (0 when the planner cannot read it)."""
-    from app.catalogue import planner
+    from app.catalogue import target_info
 
     try:
-        return planner.describe(target_path).arch.mtp_layers
+        return target_info.describe(target_path).arch.mtp_layers
     except Exception:  # noqa: BLE001 - an unread header offers no mtp; the load stands
         return 0
 

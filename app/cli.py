@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app import remoting
+from app import remote_flags
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
 from app.flags import add_model_arguments
 
@@ -116,7 +116,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--json", action="store_true", help="print one JSON object (a contract)")
-    remoting.add_remote_arguments(p)
+    remote_flags.add_remote_arguments(p)
     p.set_defaults(handler=_generate)
 
 
@@ -154,7 +154,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     text = read_prompt(args)
     if args.remote:
-        return remoting.generate(args, text, params)
+        return remote_flags.generate(args, text, params)
     loaded = load_engine(args)
     prompt_ids = encode_prompt(loaded.engine.target.tokenizer, text, chat=args.chat,
                                system=args.system)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.serve import prometheus
-from app.serve.remote import (
+from app.serve.remote_engine import (
     sglang_counters,
     stats_from_sglang,
     stats_from_vllm,

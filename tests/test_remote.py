@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app import remoting
+from app import remote_flags
 from app.cli import main
 from app.core.types import Done, SamplingParams, SpecdeckError, Step
-from app.serve.remote import RemoteEngine, connect
+from app.serve.remote_engine import RemoteEngine, connect
 from tests.serving import save_tiny_model, specdeck_serve
 
 PROMPT = "w5 w9 w12 w5 w9"
@@ -273,11 +273,11 @@ def test_a_remote_engine_without_statistics_gets_nulls_not_zeros(capsys) -> None
 
     engine = RemoteEngine("http://plain:1", transport=httpx.MockTransport(handler))
     _, done = run(engine.generate("hi", SamplingParams()))
-    result = remoting.result_json(done, engine)
+    result = remote_flags.result_json(done, engine)
     assert result["text"] == "hello there" and result["token_ids"] is None
     assert result["drafted"] is None and result["mean_accepted_length"] is None
     assert result["k"] is None and "openai" in result["note"]
-    assert "acceptance ?" in remoting.summary(done, engine)
+    assert "acceptance ?" in remote_flags.summary(done, engine)
 
 
 REMOTE_ERRORS = [

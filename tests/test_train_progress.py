@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from app.train.progress import TerminalLine
+from app.train.progress_line import TerminalLine
 from backends.train_progress import TrainProgress
 
 

@@ -642,7 +642,7 @@ def test_loading_a_pair_that_is_not_downloaded_names_the_pull_command(empty_home
 
 def test_download_progress_is_shown_in_the_page(empty_home, monkeypatch):
     from app import store
-    from app.store.progress import Progress
+    from app.store.pull_progress import Progress
 
     def fake_pull(pair_id, progress=None, backend=None, **_):
         progress(Progress(pair_id, message="hub unreachable: using the PyPI mirror"))

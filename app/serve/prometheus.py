@@ -2,7 +2,7 @@
 
 Knows: the text format (version 0.0.4: `# HELP` / `# TYPE` comments, `name{label="v"} value
 [timestamp]`, escaped label values, NaN and +Inf). Must not know: which engine wrote the
-text or what its metrics mean; app/serve/remote.py reads vLLM's and SGLang's names.
+text or what its metrics mean; app/serve/remote_engine.py reads vLLM's and SGLang's names.
 """
 
 from __future__ import annotations

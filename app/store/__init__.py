@@ -62,7 +62,7 @@ from app.store.layout import (
     read_marker,
     staging_dir,
 )
-from app.store.progress import Progress, ProgressFn, Reporter, TerminalProgress
+from app.store.pull_progress import Progress, ProgressFn, Reporter, TerminalProgress
 
 __all__ = ["MARKER", "PairStatus", "Progress", "ProgressFn", "PullResult", "TerminalProgress",
            "check_file", "check_model", "delete", "disk_bytes", "home", "human_bytes",

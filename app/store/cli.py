@@ -14,7 +14,7 @@ from app.catalogue import sizing
 from app.catalogue.registry import load_catalogue
 from app.store import SOURCES, PairStatus, PullResult, list_pairs, pull
 from app.store.layout import human_bytes
-from app.store.progress import TerminalProgress
+from app.store.pull_progress import TerminalProgress
 
 
 def add_subcommand(sub: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from app.catalogue.registry import HubSource
 from app.core.types import SpecdeckError
-from app.store.progress import Reporter
+from app.store.pull_progress import Reporter
 
 PROBE_TIMEOUT_S = 5.0
 CHUNK = 2**20

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from app.catalogue.registry import PypiSource
 from app.core.types import SpecdeckError
-from app.store.progress import Reporter
+from app.store.pull_progress import Reporter
 
 CHUNK = 2**20
 

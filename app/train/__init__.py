@@ -19,7 +19,7 @@ from typing import Any
 from app.core.types import SpecdeckError
 from app.train import prompts as training_prompts
 from app.train import register
-from app.train.progress import TerminalLine
+from app.train.progress_line import TerminalLine
 from backends.train_progress import ProgressFn
 
 METHODS = ("eagle3",)

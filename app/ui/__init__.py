@@ -33,7 +33,7 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--pair", help="catalogue pair id to load at start (default: the pair "
                    "used last, else the only installed pair, else the default pair if installed)")
     add_model_arguments(p)
-    from app.remoting import add_remote_arguments
+    from app.remote_flags import add_remote_arguments
 
     add_remote_arguments(p)  # Chat through a server; Race and Bench need a local model
     p.set_defaults(handler=_ui, drafter="auto", k="auto")
@@ -114,7 +114,7 @@ def load_at_start(bench: Any, args: argparse.Namespace) -> str:
 
 def attach_remote(bench: Any, args: argparse.Namespace) -> str:
     """Connect Chat to --remote before the page opens; a bad URL or key stops the command."""
-    from app.remoting import connect_remote
+    from app.remote_flags import connect_remote
 
     if args.pair:
         raise SpecdeckError("--pair loads a local model: drop it with --remote")

@@ -15,7 +15,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import remoting
+from app import remote_flags
 from app.core.prompt import chat_ids
 from app.core.types import Done, SpecdeckError, Step
 from app.ui.inputs import (
@@ -168,9 +168,9 @@ class ChatHandlers:
                                "segments": list(reply.segments), "note": note}]
         remote = self.bench.remote
         if remote is not None:  # what the server did not report shows as "?", and why
-            unknown = [name for name in remoting.unreported(remote, CARD_STATS)
+            unknown = [name for name in remote_flags.unreported(remote, CARD_STATS)
                        if reply.done]
-            stats = stats_html(reply.stats, f"{status} · {remoting.note(remote, unknown)}"
+            stats = stats_html(reply.stats, f"{status} · {remote_flags.note(remote, unknown)}"
                                if unknown else status, kind, k, unknown=frozenset(unknown))
         else:
             stats = stats_html(reply.stats, status, kind, k, self.bench.memory())

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.types import SpecdeckError
-from app.drafters.native import dspark_stages_refusal, has_dspark_stages
+from app.drafters.own_layers import dspark_stages_refusal, has_dspark_stages
 from backends.heads.dflash_format import DFlashSpec, check_target, read_config
 
 DEEPSPEC = "Qwen3DSparkModel"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.core.types import SpecdeckError
-from app.drafters.native import dspark_stages_refusal, has_dspark_stages, mtp_layers
+from app.drafters.own_layers import dspark_stages_refusal, has_dspark_stages, mtp_layers
 
 T = TypeVar("T")
 # per style: the stored names of the fusing projection, embedding norm, hidden norm, out norm

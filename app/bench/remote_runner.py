@@ -1,7 +1,7 @@
 """`specdeck bench --remote URL`: a remote engine as one more configuration of the bench.
 
 Knows: how a RemoteEngine's run becomes a bench Record, and which of its statistics it can
-stand behind. Must not know: wire formats (app/serve/remote.py), array libraries.
+stand behind. Must not know: wire formats (app/serve/remote_engine.py), array libraries.
 
 The remote engine gets the very token ids the local configurations decode (the chat template
 applied here), so the server must run the same model for its outputs to compare with plain's;

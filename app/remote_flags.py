@@ -2,7 +2,7 @@
 
 Knows: the --remote/--api-key/--model flags, which local flags a remote engine ignores or
 refuses, how a remote run fills the generate --json contract (what the engine did not report
-is null, and a note says so). Must not know: the wire formats (app/serve/remote.py owns
+is null, and a note says so). Must not know: the wire formats (app/serve/remote_engine.py owns
 them), array libraries, the step loop.
 """
 
@@ -20,7 +20,7 @@ from app.core.types import Done, SpecdeckError, Step
 from app.flags import DEFAULT_DRAFTER, DEFAULT_K
 
 if TYPE_CHECKING:  # httpx loads only when a command goes remote
-    from app.serve.remote import RemoteEngine
+    from app.serve.remote_engine import RemoteEngine
 
 LOCAL_ONLY = ("target", "draft")
 
@@ -42,7 +42,7 @@ def connect_remote(args: argparse.Namespace) -> RemoteEngine:
     if given:
         raise SpecdeckError(f"{' and '.join(given)} load a local model: drop them with --remote "
                             "(the server holds its model; choose among its models with --model)")
-    from app.serve.remote import connect
+    from app.serve.remote_engine import connect
 
     url = check_url(args.remote)
     # only a changed flag is the user's wish (the server's own choice stands otherwise), and

@@ -8,6 +8,7 @@ crashing.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import platform
 from typing import Any
@@ -63,3 +64,4 @@ def _need(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise SpecdeckError(f"the {extra} backend needs {module}: {install_hint(extra)} "
                             f"(from a specdeck checkout: pip install -e '.[{extra}]')")
+

@@ -6,8 +6,9 @@ imports it back (function-level imports included), and the table of kinds
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
+
+from app.drafters import kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB_OK = {"numpy", "__future__"}
@@ -131,10 +132,48 @@ def test_the_walk_sees_imports_inside_functions():
     assert "backends.torch.backend" in import_graph()["backends"]
 
 
+# the places allowed to name several kinds: the records, each backend's table of builders,
+# the factory's builders of the kinds that need nothing, other engines' names for kinds
+LISTS_KINDS = {"app/drafters/kinds.py", "backends/torch/__init__.py", "backends/mlx/__init__.py",
+               "app/drafters/__init__.py", "app/catalogue/recipe.py"}
+
+
+def kind_lists(source: str, names: frozenset[str]) -> list[int]:
+    """The lines of collection literals (tuple, list, set, dict keys) that name two or more
+    kinds, as strings or as the first argument of a constructor (`Rank("mtp", ...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [key for key in node.keys if key is not None]
+        else:
+            continue
+        named = {value for value in map(_kind_named, items) if value in names}
+        if len(named) >= 2:
+            found.append(node.lineno)
+    return found
+
+
+def _kind_named(item: ast.expr) -> object:
+    if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.args:
+        item = item.args[0]
+    return item.value if isinstance(item, ast.Constant) else None
+
+
 def test_the_table_of_kinds_is_the_only_place_that_lists_kinds():
-    # a tuple or set literal naming two or more kinds is a list of kinds
-    pattern = re.compile(r"[(\[{]\s*\"(none|ngram|draft|chain)\",\s*\"(ngram|draft|chain|auto)\"")
-    offenders = [str(path.relative_to(ROOT)) for path in modules("app") + modules("backends")
-                 if path != ROOT / "app/drafters/kinds.py"
-                 and pattern.search(path.read_text(encoding="utf-8"))]
+    names = frozenset(kinds.NAMES)
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for path in modules("app") + modules("backends")
+                 if str(path.relative_to(ROOT)) not in LISTS_KINDS
+                 for line in kind_lists(path.read_text(encoding="utf-8"), names)]
     assert offenders == []
+
+
+def test_the_kind_list_finder_sees_literals_and_rows_of_records():
+    names = frozenset({"draft", "mtp", "ngram"})
+    assert kind_lists('BUILDS = frozenset({"draft", "mtp"})', names) == [1]
+    assert kind_lists('ORDER = (Rank("mtp", 1), Rank("ngram", 2))', names) == [1]
+    assert kind_lists('TABLE = {"mtp": 1, "draft": 2}', names) == [1]
+    assert kind_lists('ONE = ("mtp", "other")\nSWAP = (k.index("mtp"), k.index("ngram"))',
+                      names) == []

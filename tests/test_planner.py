@@ -439,7 +439,7 @@ def test_medusa_heads_keep_no_kv_cache_and_an_eagle3_head_captures_three_layers(
 
 
 def test_the_planners_order_is_data_and_every_kind_in_it_has_a_place_and_a_reason():
-    kinds = [rank.kind for rank in preference.PREFERENCE]
+    kinds = [rank.name for rank in preference.PREFERENCE]
     assert len(kinds) == len(set(kinds)) and all(rank.why for rank in preference.PREFERENCE)
     assert preference.HEAD_KINDS == ("dspark", "dflash", "eagle3", "eagle", "medusa")
     assert preference.MODEL_FREE == {"lookahead", "ngram"}

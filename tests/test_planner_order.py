@@ -129,7 +129,7 @@ def test_the_chosen_drafter_says_why_and_each_other_why_not(catalogue, pair_id):
                for line in lines[-1 - len(plan.passed):-1])
     # every kind of the order is named: considered, or said to be absent and why
     named = {o.kind for o in (plan.choice, *plan.refused, *plan.passed, *plan.absent)}
-    assert named == {rank.kind for rank in preference.PREFERENCE}
+    assert named == {rank.name for rank in preference.PREFERENCE}
     assert lines[-1].startswith("none here: ")
 
 

@@ -165,7 +165,7 @@ def preference(backend: str, device: str) -> tuple[str, ...]:
     docs/PERFORMANCE.md, drafters that need no model), while a GPU verifies the rows nearly
     for free.
     """
-    kinds = [rank.kind for rank in PREFERENCE]
+    kinds = [rank.name for rank in PREFERENCE]
     if backend == "mlx" or not device.startswith("cuda"):
         i, j = kinds.index("lookahead"), kinds.index("ngram")
         kinds[i], kinds[j] = kinds[j], kinds[i]
@@ -252,7 +252,7 @@ class _Context:
 def _candidates(info: TargetInfo, catalogue: Catalogue) -> list[Option]:
     """Every drafter worth considering for this target, each with its case (`ordered` ranks
     them)."""
-    why = {rank.kind: rank.why for rank in PREFERENCE}
+    why = {rank.name: rank.why for rank in PREFERENCE}
     found: list[Option] = []
     if info.arch.mtp_layers > 0:
         found.append(Option("mtp", f"the target carries {info.arch.mtp_layers} native MTP "

@@ -44,6 +44,19 @@ class Runs:
     head_trees: bool = True  # its heads draft EAGLE-2 trees when asked (--tree)
 
 
+@dataclass(frozen=True)
+class DrafterRequest:
+    """What a backend's builder of one kind is given: the target and what the user gave for
+    the drafter (a draft model, a head folder, trees, a vocabulary limit)."""
+
+    kind: str
+    target: Any
+    draft: Any = None
+    head: str | None = None
+    tree: bool = False
+    vocab_limit: int = 0
+
+
 @runtime_checkable
 class Session(Protocol):
     """One KV cache over one token sequence. Lengths are absolute token counts.

@@ -29,11 +29,21 @@ NEVER, ALWAYS, ASKED = "never", "always", "asked"
 LOOKUP_FIRST = "lookup+"  # "lookup+eagle3": prompt lookup first, the head where it has nothing
 TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds that draft them when asked)
 REFERENCE = "torch"  # the backend that builds every kind (a test holds it to that)
+# where a kind's drafter comes from, for the planner: the target's own weights, a model trained
+# for the target (a head or block drafter the catalogue ships), a smaller model of its family,
+# or nothing
+OWN, SHIPPED, DRAFT, FREE = "own layers", "shipped", "draft model", "no model"
+PER_DRAFTER_LAYER = 0  # captures: one target layer per drafter layer (DFlash, DSpark)
 
 
 @dataclass(frozen=True)
 class Kind:
-    """One drafter kind: what it needs and asks of a backend, and how it drafts."""
+    """One drafter kind: what it needs and asks of a backend, and how it drafts.
+
+    rank: its place in the planner's order, best first (0: the planner never picks it on its
+    own), with where it comes from (`source`) and why it stands there; captures: the target
+    layers whose hidden states each verify row hands the drafter (the verify state); kv_cache:
+    whether the drafter keeps a KV cache of its own per token."""
 
     name: str
     needs: str
@@ -41,6 +51,11 @@ class Kind:
     trees: str = NEVER
     after_lookup: str = ""  # the kind that drafts where prompt lookup has nothing
     downloads: bool = False  # a model of its own to download (a draft model or a head)
+    rank: int = 0
+    source: str = ""
+    why: str = ""
+    captures: int = 0
+    kv_cache: bool = True
 
     @property
     def built_as(self) -> str:
@@ -60,31 +75,47 @@ class Kind:
 # every kind, in the order menus list them
 TABLE = (
     Kind("none", NOTHING, "plain decoding"),
-    Kind("ngram", NOTHING, "prompt lookup (n-gram)"),
+    Kind("ngram", NOTHING, "prompt lookup (n-gram)", rank=9, source=FREE,
+         why="needs no model; drafts only text that repeats", kv_cache=False),
     Kind("ngram-tree", NOTHING, "prompt lookup with branches (a tree)", trees=ALWAYS),
-    Kind("draft", DRAFT_MODEL, "a small draft model", downloads=True),
+    Kind("draft", DRAFT_MODEL, "a small draft model", downloads=True, rank=7, source=DRAFT,
+         why="a separate small model: its own weights and KV cache, no training for the "
+         "target"),
     Kind("chain", DRAFT_MODEL, "prompt lookup, then the draft model", after_lookup="draft",
          downloads=True),
     Kind("eagle3", HEAD, "an EAGLE-3 head on the target's hidden states", trees=ASKED,
-         downloads=True),
+         downloads=True, rank=4, source=SHIPPED,
+         why="a head shipped for the target, reading three of its layers", captures=3),
     Kind("eagle", HEAD, "an EAGLE-1/2 head on the target's last hidden state", trees=ASKED,
-         downloads=True),
+         downloads=True, rank=5, source=SHIPPED,
+         why="a head shipped for the target, reading its last layer", captures=1),
     Kind("lookup+eagle3", HEAD, "prompt lookup, then the EAGLE-3 head", trees=ASKED,
          after_lookup="eagle3", downloads=True),
     Kind("lookup+eagle", HEAD, "prompt lookup, then the EAGLE-1/2 head", trees=ASKED,
          after_lookup="eagle", downloads=True),
-    Kind("mtp", OWN_LAYERS, "the target's own MTP layers (native multi-token prediction)"),
+    Kind("mtp", OWN_LAYERS, "the target's own MTP layers (native multi-token prediction)",
+         rank=1, source=OWN,
+         why="trained with the target and inside its weights: nothing to download", captures=1),
     Kind("medusa", HEAD, "Medusa heads on the target's last hidden state (a static tree)",
-         trees=ALWAYS, downloads=True),
+         trees=ALWAYS, downloads=True, rank=6, source=SHIPPED,
+         why="heads shipped for the target; each guesses one position on its own", captures=1,
+         kv_cache=False),
     Kind("dflash", HEAD, "a DFlash (or DFlash 2) block drafter on the target's hidden states",
-         downloads=True),
+         downloads=True, rank=3, source=SHIPPED,
+         why="a block drafter shipped for the target: one forward drafts a whole block",
+         captures=PER_DRAFTER_LAYER),
     Kind("dspark", HEAD, "a DSpark block drafter (Markov and confidence heads) on the target's "
-         "hidden states", downloads=True),
+         "hidden states", downloads=True, rank=2, source=SHIPPED,
+         why="a block drafter shipped for the target: one forward drafts a block, and its "
+         "confidence head says where to cut it", captures=PER_DRAFTER_LAYER),
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
-         trees=ALWAYS),
+         trees=ALWAYS, rank=8, source=FREE, why="its tree costs many verify rows per step",
+         kv_cache=False),
 )
 BY_NAME = {kind.name: kind for kind in TABLE}
 NAMES = tuple(BY_NAME)
+# the order the planner tries kinds in, best first
+PREFERENCE = tuple(sorted((k for k in TABLE if k.rank), key=lambda k: k.rank))
 # the kinds the menus offer as "<kind>:tree": lookup-first kinds are left out, as before
 TREE_MENU = tuple(k.name for k in TABLE if k.trees == ASKED and not k.after_lookup)
 

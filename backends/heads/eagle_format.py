@@ -23,9 +23,6 @@ from typing import Any
 
 from app.core.types import SpecdeckError
 
-WEIGHT_FILES = ("model.safetensors",)
-EAGLE3_PREFIXES = ("midlayer.", "layers.0.")
-
 
 @dataclass(frozen=True)
 class EagleSpec:
@@ -240,9 +237,8 @@ def checked_spec(path: str | Path, *, kind: str, target_name: str, hidden_size: 
     was built for another target (both named); each backend's loader starts here."""
     spec = read_eagle_spec(path)
     if spec.kind != kind:
-        wanted = {"eagle3": "--drafter eagle3", "eagle": "--drafter eagle"}[spec.kind]
         raise SpecdeckError(f"{spec.name} is an {spec.kind.upper()} head, not {kind}: "
-                            f"use {wanted}")
+                            f"use --drafter {spec.kind}")
     check_target(spec, target_name, hidden_size, vocab_size, n_layers)
     return spec
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from app.core.protocols import Capabilities, Runs
 
-# every kind torch builds: a draft model, the EAGLE heads (chains and EAGLE-2 trees), Medusa
-# heads, DFlash and DSpark block drafters, the target's own MTP layers, all over the hidden
-# states its sessions capture; its targets verify trees where backends/mlx/tree.py patches
-# their attention (a loaded target's capabilities say)
-RUNS = Runs("mlx", frozenset({"draft", "eagle3", "eagle", "medusa", "dflash", "dspark", "mtp"}),
+# kind -> its builder in backends/mlx/builders.py (imported when a drafter is made): every kind
+# torch builds, all over the hidden states its sessions capture
+BUILDERS = {"draft": "draft_model", "eagle3": "eagle", "eagle": "eagle", "medusa": "medusa",
+            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
+# its targets verify trees where backends/mlx/tree.py patches their attention (a loaded
+# target's capabilities say)
+RUNS = Runs("mlx", frozenset(BUILDERS),
             Capabilities(rewind=True, hidden_states=True, tree_attention=True))

@@ -23,11 +23,12 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 from transformers import AutoTokenizer
 
-from app.core.protocols import Capabilities, TargetOutput, collect_eos_ids
+from app.core.protocols import Capabilities, DrafterRequest, TargetOutput, collect_eos_ids
 from app.core.types import SpecdeckError, tree_parents
 from app.drafters.kinds import require_built
+from backends.builder_table import build
 from backends.gguf import hf_folder
-from backends.mlx import RUNS
+from backends.mlx import BUILDERS, RUNS
 from backends.mlx import tree as mlx_tree
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
@@ -250,53 +251,11 @@ class MlxBackend:
 
     def make_drafter(self, kind: str, target: MlxModel, *, draft: MlxModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
-        """A draft model's drafter ("draft"), an EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head
-        drafter, Medusa heads ("medusa") or a DFlash ("dflash") or DSpark ("dspark") block
-        drafter from its folder, checked against the target (tree=True: the EAGLE heads draft
-        EAGLE-2 dynamic trees, which the target verifies through backends/mlx/tree.py), or the
-        target's own MTP layers' ("mtp", a SpecdeckError when it has none)."""
+        """The drafter of a kind this backend builds (BUILDERS), checked against the target."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
-        if kind == "draft":
-            from backends.mlx.drafters import DraftModelDrafter
-
-            return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-        if kind == "dflash":
-            from backends.mlx.heads.dflash import load_dflash_drafter
-
-            return load_dflash_drafter(target, head)
-        if kind == "dspark":
-            from backends.mlx.heads.dspark import load_dspark_drafter
-
-            return load_dspark_drafter(target, head)
-        if kind == "mtp":
-            from backends.mlx.heads.mtp import load_mtp_drafter
-
-            return load_mtp_drafter(target)
-        if kind == "medusa":
-            from backends.mlx.heads.medusa import load_medusa_drafter
-
-            return load_medusa_drafter(target, head)
-        return _eagle_drafter(kind, target, head, tree)
-
-
-def _eagle_drafter(kind: str, target: MlxModel, path: str, tree: bool) -> Any:
-    """The head from its folder, checked against the target."""
-    from backends.heads.eagle_drafter import EagleDrafter, TargetParts
-    from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
-    from backends.mlx.arrays import MlxArrays
-    from backends.mlx.heads.eagle import load_eagle_head, target_parts
-
-    embed, final_norm, output = target_parts(target.net, target.name)
-    head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
-                                 hidden_size=int(final_norm.weight.shape[-1]),  # never quantized
-                                 vocab_size=target.vocab_size,
-                                 n_layers=target.n_layers,
-                                 dtype=_stored_dtype(target.net))
-    parts = TargetParts(embed, final_norm, output, int(target.vocab_size), target.n_layers)
-    return EagleDrafter(head, spec, MlxArrays(target.stream), parts, tree=tree,
-                        min_confidence=CHAIN_MIN_CONFIDENCE)
-
+        request = DrafterRequest(kind, target, draft, head, tree, vocab_limit)
+        return build(BUILDERS, "backends.mlx.builders", request)
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
     """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters.

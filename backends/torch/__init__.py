@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from app.core.protocols import Capabilities, Runs
 
-# every kind: a draft model, each head, the target's own MTP layers; 4D masks verify trees
-RUNS = Runs("torch", frozenset({"draft", "eagle3", "eagle", "medusa", "dflash", "dspark",
-                                 "mtp"}),
+# kind -> its builder in backends/torch/builders.py (imported when a drafter is made): a draft
+# model, each head, the target's own MTP layers
+BUILDERS = {"draft": "draft_model", "eagle3": "eagle", "eagle": "eagle", "medusa": "medusa",
+            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
+# 4D masks verify trees
+RUNS = Runs("torch", frozenset(BUILDERS),
             Capabilities(rewind=True, hidden_states=True, tree_attention=True))

@@ -22,13 +22,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from app.core.protocols import Capabilities, collect_eos_ids
+from app.core.protocols import Capabilities, DrafterRequest, collect_eos_ids
 from app.core.types import SpecdeckError
 from app.drafters.kinds import require_built
+from backends.builder_table import build
 from backends.cpu import cpu_has_native_bf16
 from backends.gguf import CONVERTED_SUFFIX, metadata_folder
 from backends.gguf_header import file_type
-from backends.torch import RUNS, gguf_model, w4a8
+from backends.torch import BUILDERS, RUNS, gguf_model, w4a8
 from backends.torch import attention as torch_attention
 from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
@@ -255,60 +256,11 @@ class TorchBackend:
 
     def make_drafter(self, kind: str, target: TorchModel, *, draft: TorchModel | None = None,
                      head: str | None = None, tree: bool = False, vocab_limit: int = 0) -> Any:
-        """A draft model's drafter ("draft"), the target's own MTP layers' ("mtp", a
-        SpecdeckError when it has none), or a head's from its folder, checked against the
-        target (see _head_drafter)."""
+        """The drafter of a kind this backend builds (BUILDERS), checked against the target."""
         require_built(kind, self.runs, capabilities=target.capabilities, tree=tree,
                       has_draft=draft is not None, has_head=bool(head), target=target.name)
-        if kind == "draft":
-            from app.drafters.draft_model import DraftModelDrafter
-
-            return DraftModelDrafter(target, draft, vocab_limit=vocab_limit)
-        if kind == "mtp":
-            from backends.torch.heads.mtp import load_mtp_drafter
-
-            return load_mtp_drafter(target)
-        return self._head_drafter(kind, target, head, tree)
-
-    def _head_drafter(self, kind: str, target: TorchModel, path: str, tree: bool) -> Any:
-        """A head drafter from its folder, checked against the target: an EAGLE-3 ("eagle3")
-        or EAGLE-1/2 ("eagle") head (tree=True drafts EAGLE-2 dynamic trees), Medusa heads
-        ("medusa"), a DFlash ("dflash") or DSpark ("dspark") block drafter."""
-        if kind == "dflash":
-            from backends.torch.heads.dflash import load_dflash_drafter
-
-            return load_dflash_drafter(target, path)
-        if kind == "dspark":
-            from backends.torch.heads.dspark import load_dspark_drafter
-
-            return load_dspark_drafter(target, path)
-        if kind == "medusa":
-            from backends.torch.heads.medusa import load_medusa_drafter
-
-            return load_medusa_drafter(target, path)
-        from backends.heads.eagle_drafter import EagleDrafter, TargetParts
-        from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
-        from backends.torch.arrays import TorchArrays
-        from backends.torch.heads.eagle import load_eagle_head
-
-        config = target.hf.config.get_text_config()
-        head, spec = load_eagle_head(path, kind=kind, target_name=target.name,
-                                     hidden_size=int(config.hidden_size),
-                                     vocab_size=int(config.vocab_size),
-                                     n_layers=target.n_layers, dtype=target.hf.dtype,
-                                     device=target.device)
-        if target.dtype in QUANTIZED:
-            # a head's matmuls read their weights once per draft token, as the target's do:
-            # int8 halves that traffic, and drafts need no exactness. 8 bits under int4 too:
-            # the head is trained unquantized, and 4-bit head weights took first-draft
-            # acceptance from 0.109 to 0.087 for one SmolLM2-135M head (spec-bench), though
-            # not for a longer-trained one (0.112 either way)
-            quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
-        hf = target.hf
-        parts = TargetParts(hf.get_input_embeddings(), getattr(hf.model, "norm", None),
-                            hf.get_output_embeddings(), int(target.vocab_size), target.n_layers)
-        return EagleDrafter(head, spec, TorchArrays(target.device), parts, tree=tree,
-                            min_confidence=CHAIN_MIN_CONFIDENCE)
+        request = DrafterRequest(kind, target, draft, head, tree, vocab_limit)
+        return build(BUILDERS, "backends.torch.builders", request)
 
 
 def _load_hf(path: Path, dtype: str, torch_dtype: torch.dtype,

@@ -1,0 +1,74 @@
+"""The torch backend's drafter builders, one a kind (backends/torch/__init__.py's BUILDERS
+names them): each takes a DrafterRequest already checked by kinds.require_built.
+
+Knows: each kind's loader and what a target lends a head. Must not know: which kinds exist
+beyond its table, or whether a kind runs on a target (kinds.check says).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.core.protocols import DrafterRequest
+from backends.torch.backend import FOUR_BIT, QUANTIZED
+from backends.torch.quantize import quantize_linears
+
+
+def draft_model(request: DrafterRequest) -> Any:
+    from app.drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(request.target, request.draft, vocab_limit=request.vocab_limit)
+
+
+def mtp(request: DrafterRequest) -> Any:
+    """The target's own MTP layers (a SpecdeckError when it has none)."""
+    from backends.torch.heads.mtp import load_mtp_drafter
+
+    return load_mtp_drafter(request.target)
+
+
+def dflash(request: DrafterRequest) -> Any:
+    from backends.torch.heads.dflash import load_dflash_drafter
+
+    return load_dflash_drafter(request.target, request.head)
+
+
+def dspark(request: DrafterRequest) -> Any:
+    from backends.torch.heads.dspark import load_dspark_drafter
+
+    return load_dspark_drafter(request.target, request.head)
+
+
+def medusa(request: DrafterRequest) -> Any:
+    from backends.torch.heads.medusa import load_medusa_drafter
+
+    return load_medusa_drafter(request.target, request.head)
+
+
+def eagle(request: DrafterRequest) -> Any:
+    """An EAGLE-3 ("eagle3") or EAGLE-1/2 ("eagle") head from its folder, checked against the
+    target; tree=True drafts EAGLE-2 dynamic trees."""
+    from backends.heads.eagle_drafter import EagleDrafter, TargetParts
+    from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
+    from backends.torch.arrays import TorchArrays
+    from backends.torch.heads.eagle import load_eagle_head
+
+    target = request.target
+    config = target.hf.config.get_text_config()
+    head, spec = load_eagle_head(request.head, kind=request.kind, target_name=target.name,
+                                 hidden_size=int(config.hidden_size),
+                                 vocab_size=int(config.vocab_size),
+                                 n_layers=target.n_layers, dtype=target.hf.dtype,
+                                 device=target.device)
+    if target.dtype in QUANTIZED:
+        # a head's matmuls read their weights once per draft token, as the target's do:
+        # int8 halves that traffic, and drafts need no exactness. 8 bits under int4 too:
+        # the head is trained unquantized, and 4-bit head weights took first-draft
+        # acceptance from 0.109 to 0.087 for one SmolLM2-135M head (spec-bench), though
+        # not for a longer-trained one (0.112 either way)
+        quantize_linears(head, "w8a8" if target.dtype in FOUR_BIT else target.dtype)
+    hf = target.hf
+    parts = TargetParts(hf.get_input_embeddings(), getattr(hf.model, "norm", None),
+                        hf.get_output_embeddings(), int(target.vocab_size), target.n_layers)
+    return EagleDrafter(head, spec, TorchArrays(target.device), parts, tree=request.tree,
+                        min_confidence=CHAIN_MIN_CONFIDENCE)

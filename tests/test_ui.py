@@ -553,8 +553,9 @@ def test_the_page_builds_with_no_model_and_says_how_to_load_one():
 
 def test_the_page_builds_with_a_model_loaded():
     bench, _ = scripted_bench()
-    assert build_app(bench) is not None
+    page = build_app(bench)
     assert "fake pair" in model_bar(bench)
+    assert any("fake pair" in str(getattr(block, "value", "")) for block in page.blocks.values())
 
 
 def test_concurrent_tabs_are_serialised_per_model():

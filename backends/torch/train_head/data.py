@@ -16,7 +16,7 @@ its row is zero and never read).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,11 +174,6 @@ def load_shard(path: Path) -> list[Example]:
     return [Example(t["tokens"][a:b].to(torch.long), int(t["prompt_len"][i]),
                     t["aux"][a:b], t["final"][a:b])
             for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
-
-
-def load_all(work: Path) -> Iterator[Example]:
-    for path in sorted((work / "data").glob("shard-*.safetensors")):
-        yield from load_shard(path)
 
 
 def write_manifest(work: Path, data: dict[str, Any]) -> None:

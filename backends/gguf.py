@@ -120,7 +120,8 @@ def _refresh(gguf: Path, dest: Path, convert: Converter, doing: str) -> None:
 def _build(gguf: Path, dest: Path, convert: Converter, doing: str, stale: bool) -> None:
     why = "its .gguf changed since it was read" if stale else "once; later loads take seconds"
     print(f"specdeck: {doing.format(gguf.name)} ({why})...", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=dest.parent))
+    _sweep(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".converting-{dest.name}-", dir=dest.parent))
     try:
         before = gguf.stat()
         convert(gguf, tmp)
@@ -135,12 +136,21 @@ def _build(gguf: Path, dest: Path, convert: Converter, doing: str, stale: bool) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _sweep(dest: Path) -> None:
+    """Delete what a killed conversion of this folder left (its temporary and stale folders);
+    under the source's lock, so no live conversion of it owns them, and another source's
+    folders, named after their own dest, are never touched."""
+    for prefix in (".converting-", ".stale-"):
+        for left in dest.parent.glob(f"{prefix}{dest.name}-*"):
+            shutil.rmtree(left, ignore_errors=True)
+
+
 def _swap_in(tmp: Path, dest: Path) -> None:
     """Replace dest by tmp; an older folder moves aside first (rename cannot replace a
     non-empty folder) and is deleted after."""
     old = None
     if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=".stale-", dir=dest.parent))
+        old = Path(tempfile.mkdtemp(prefix=f".stale-{dest.name}-", dir=dest.parent))
         os.replace(dest, old / "folder")
     os.replace(tmp, dest)
     if old is not None:

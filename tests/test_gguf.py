@@ -66,6 +66,20 @@ def test_a_conversion_is_built_once_and_reused(gguf):
     assert read_record(converted_path(gguf)).size == len(GGUF)
 
 
+def test_a_killed_conversions_leftovers_are_swept_by_the_next_one(gguf):
+    dest = converted_path(gguf)
+    left = gguf.parent / f".converting-{dest.name}-x1"
+    stale = gguf.parent / f".stale-{dest.name}-x2"
+    others = gguf.parent / ".converting-another.gguf.hf-x3"  # another source's, maybe live
+    for folder in (left, stale, others):
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(b"half")
+    hf_folder(gguf, FakeConverter())
+    assert not left.exists() and not stale.exists() and others.exists()
+    assert sorted(p.name for p in gguf.parent.iterdir() if p.name.startswith(".")) == [
+        others.name]
+
+
 @pytest.mark.parametrize("change", ["flip a byte", "overwrite the magic", "replace the file"])
 def test_a_changed_source_rebuilds_its_conversion(gguf, change):
     convert = FakeConverter()

@@ -81,7 +81,7 @@ def _no_heads_trained_on_this_machine():
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from app.core import compute
+    from app.runtime import compute
 
     """Let the app's background threads (a pair loading at start, a download, a bench run, a
     generation) end before the interpreter does: one still inside torch or MLX at exit aborts

@@ -1,4 +1,4 @@
-"""Model work runs on one thread per process, whichever thread asks (app/core/compute.py).
+"""Model work runs on one thread per process, whichever thread asks (app/runtime/compute.py).
 
 OpenMP keeps a team of threads per calling thread; two teams on two cores slowed every
 forward of the 1.5B by a third for the rest of the process. These claims hold the one-thread
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.core import compute
 from app.core.engine import SpecEngine
 from app.drafters.ngram import NgramDrafter
+from app.runtime import compute
 from app.serve.jobs import Served
 from app.serve.routes import build_app
 from tests.serving import CHAT_TEMPLATE

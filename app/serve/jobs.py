@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app import drafters
-from app.core import compute
 from app.core.types import SamplingParams, SpecdeckError
 from app.drafters.kinds import check, unknown
 from app.flags import DEFAULT_K
+from app.runtime import compute
 from app.serve.admission import Gate
 from app.serve.metrics import Metrics
 from app.serve.pool import Pool

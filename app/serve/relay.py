@@ -9,8 +9,8 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.core import compute
 from app.core.types import Done, RunStats, Step
+from app.runtime import compute
 from app.serve.admission import Ticket
 from app.serve.jobs import Job, Served
 

@@ -9,7 +9,7 @@ each request's parsing and tokenizing (a 20 MB prompt must not freeze /health). 
 holds engine.lock for the whole generation, so requests queue per model, and it closes the
 engine's generator in a finally: a client that disconnects leaves the cache rewound. The
 generation's steps, loads and warm-ups themselves run on the process's one compute thread
-(app/core/compute.py: OpenMP slows every thread once two have computed).
+(app/runtime/compute.py: OpenMP slows every thread once two have computed).
 Admission (app/serve/admission.py) bounds the body size and the queue; a client that leaves,
 streaming or not, and server shutdown (SIGTERM, SIGINT) cancel the generation.
 """
@@ -23,9 +23,9 @@ import threading
 from typing import Any
 
 from app import drafters
-from app.core import compute
 from app.core.types import SpecdeckError
 from app.flags import DEFAULT_K, add_model_arguments
+from app.runtime import compute
 from app.serve.admission import Gate
 from app.serve.jobs import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_WAITING, Served
 from app.serve.metrics import Metrics

@@ -24,8 +24,8 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from app.core import compute
 from app.paths import home
+from app.runtime import compute
 from app.ui.chat import k_control, notice
 from app.ui.inputs import BENCH_LIMIT, BENCH_MAX_NEW, parse_k, whole
 from app.ui.render import refusal

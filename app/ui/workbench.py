@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from app import drafters
-from app.core import compute
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
 from app.drafters.kinds import BY_NAME, check
 from app.drafters.pairing import check_vocab_compatible
+from app.runtime import compute
 from backends import runs_of
 
 DRAFTER_CHOICES = drafters.WITH_TREES
@@ -92,7 +92,7 @@ class Workbench:
              progress: Callable[[str], None] = lambda _stage: None) -> None:
         """Load models through the backend; the caller holds `busy` (no generation runs).
         progress(stage) hears each stage, for a page that shows the load as it goes. The load
-        and its warm-ups run on the compute thread, as generations do (app/core/compute.py)."""
+        and its warm-ups run on the compute thread, as generations do (app/runtime/compute.py)."""
         compute.call(self._load, target_path, draft_path, label, pair_id, auto_kind, head,
                      progress)
 

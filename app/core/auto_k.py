@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from app.core.adaptive import KController
-from app.core.protocols import Drafter
+from app.core.protocols import Drafter, Members, ReadsContext
 from app.core.types import Draft
 
 
@@ -32,7 +32,7 @@ class AutoK:
     """Chooses each step's drafting member and k, and routes the step's outcome back."""
 
     def __init__(self, drafter: Drafter, controllers: Sequence[KController]) -> None:
-        members = tuple(getattr(drafter, "members", None) or (drafter,))
+        members = tuple((drafter.members if isinstance(drafter, Members) else None) or (drafter,))
         if len(members) != len(controllers):
             raise ValueError(f"{len(members)} members, {len(controllers)} controllers")
         self._pairs = tuple(zip(members, controllers))
@@ -99,5 +99,4 @@ class AutoK:
 def _unread(member: Drafter, context: Sequence[int]) -> int:
     """The context rows a member reads before its next draft: a draft model says
     (`unread_rows`); drafters that read nothing, or read it for free, do not."""
-    unread = getattr(member, "unread_rows", None)
-    return unread(context) if unread is not None else 0
+    return member.unread_rows(context) if isinstance(member, ReadsContext) else 0

@@ -21,7 +21,7 @@ import numpy as np
 from app.core.adaptive import KController
 from app.core.auto_k import AutoK
 from app.core.feed import StepFeed
-from app.core.protocols import Drafter, Model, NoDrafter, TargetOutput
+from app.core.protocols import Drafter, Members, Model, NoDrafter, TargetOutput
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
 from app.core.types import (
@@ -193,7 +193,7 @@ class SpecEngine:
         k = self.k if k is None else k
         if k != "auto" or isinstance(drafter, NoDrafter):
             return None
-        members = getattr(drafter, "members", None)
+        members = drafter.members if isinstance(drafter, Members) else None
         names = [f"{drafter.name}/{m.name}" for m in members] if members else [drafter.name]
         return [self._controllers.setdefault(name, KController(k_max=self.k_max_default))
                 for name in names]

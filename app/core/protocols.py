@@ -149,6 +149,32 @@ class Drafter(Protocol):
     def accept(self, feed: StepFeed) -> None: ...
 
 
+@runtime_checkable
+class Members(Protocol):
+    """A drafter made of members tried in order (a chain): the k controller prices each on
+    its own, one controller a member."""
+
+    members: tuple[Drafter, ...]
+
+
+@runtime_checkable
+class ReadsContext(Protocol):
+    """A drafter that must read context rows before it drafts (a draft model catching up):
+    the k controller counts those rows in its cost."""
+
+    def unread_rows(self, context: Sequence[int]) -> int: ...
+
+
+@runtime_checkable
+class VocabViews(Protocol):
+    """A session whose output layer has lighter views, its own, for drafting: a cheaper head
+    (its logits only propose) and a vocabulary cut to the given ids."""
+
+    def lighten_head(self) -> None: ...
+
+    def restrict_vocab(self, token_ids: Sequence[int] | None) -> None: ...
+
+
 class NoDrafter:
     """Plain decoding: the same engine loop with a drafter that proposes nothing."""
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.core.protocols import Model, StepFeed, TargetOutput
+from app.core.protocols import Model, StepFeed, TargetOutput, VocabViews
 from app.core.sampling import sample, warp
 from app.core.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from app.drafters.pairing import check_vocab_compatible
@@ -55,10 +55,11 @@ class DraftModelDrafter:
         self._session = draft.start(exact=False)
         # the output-layer views below are the session's own: the model object stays as it
         # is for the target and other drafters that share it
-        if draft is not target and hasattr(self._session, "lighten_head"):
+        views = isinstance(self._session, VocabViews)
+        if draft is not target and views:
             self._session.lighten_head()  # a model of its own: its logits only propose
         # 0 = full vocabulary; sessions without restrict_vocab (MLX) draft from all of it
-        self.vocab_limit = vocab_limit if hasattr(self._session, "restrict_vocab") else 0
+        self.vocab_limit = vocab_limit if views else 0
         self._start = 0  # where the drafter's window begins in the context
         self._prompt_unread = False  # begin() sets it: the next catch-up reads the prompt
         self._params = SamplingParams()

@@ -8,7 +8,9 @@ folder), eviction oldest first, atomic writes (temp file, fsync, rename) under a
 two processes on one home (a UI and a server) lose nothing, and setting aside a damaged or
 foreign file (renamed, with a message naming both paths) so the app keeps running on an
 empty history. Partitions: one per API key (its hash, never the key), `LOCAL` without keys.
-Must not know: models, drafting (app/drafters/suffix.py indexes the records), surfaces.
+`History` is the live side: the store plus one suffix index per partition (app/drafters/
+suffix.py), loaded on first use and swapped whole when a reply is recorded.
+Must not know: models, how drafts are made from the index, surfaces.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from app.drafters.suffix import SuffixIndex, index_of
 from app.paths import home
 
 FORMAT = "specdeck-history"
@@ -41,6 +45,9 @@ LOCAL = "local"  # the one partition without API keys
 REPLY, SEEDED = "reply", "seeded"
 KINDS = (REPLY, SEEDED)  # a record's kind is stored as its index here
 LOCK_TIMEOUT_S = 30.0
+# a reply is recorded with at most this much of its prompt before it: enough to match the
+# question again, without each turn of a conversation storing every earlier turn once more
+PROMPT_TAIL = 1024
 _log = logging.getLogger("specdeck.history")
 
 
@@ -204,6 +211,54 @@ class HistoryStore:
             if path != keep:
                 total -= _size(path)
                 path.unlink(missing_ok=True)
+
+
+class History:
+    """One tokenizer's history, live: records on disk, an index per partition in memory."""
+
+    def __init__(self, store: HistoryStore, prompt_tail: int = PROMPT_TAIL) -> None:
+        self.store = store
+        self.prompt_tail = prompt_tail
+        self._indexes: dict[str, SuffixIndex] = {}
+        self._lock = threading.Lock()  # recording may run beside drafting, on another thread
+
+    @property
+    def folder(self) -> Path:
+        return self.store.folder
+
+    def index(self, partition: str) -> SuffixIndex:
+        """The partition's index as it is now (an immutable snapshot)."""
+        found = self._indexes.get(partition)
+        if found is None:
+            with self._lock:
+                found = self._indexes.get(partition)
+                if found is None:
+                    found = self._indexes[partition] = index_of(self.store.load(partition))
+        return found
+
+    def record(self, partition: str, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """A finished reply, after the tail of its prompt (the reply follows that text)."""
+        tokens = (*prompt[len(prompt) - min(len(prompt), self.prompt_tail):], *output)
+        self.add(partition, [Record(tuple(int(t) for t in tokens), REPLY)])
+
+    def add(self, partition: str, records: Sequence[Record]) -> None:
+        with self._lock:
+            before = self._indexes.get(partition)
+            kept, evicted = self.store.append(partition, records)
+            if before is not None and not evicted \
+                    and len(before.record_starts) + len(records) == len(kept):
+                self._indexes[partition] = before.added(
+                    [(r.tokens, r.kind == SEEDED) for r in records])
+            else:  # evicted, or another process wrote too: index what the file holds
+                self._indexes[partition] = index_of(kept)
+
+    def tokens(self, partition: str) -> int:
+        return self.index(partition).n_tokens
+
+
+def open_history(tokenizer: Any, bounds: Bounds = Bounds()) -> History:
+    """The history of a target's tokenizer under SPECDECK_HOME."""
+    return History(HistoryStore(tokenizer_digest(tokenizer), bounds=bounds))
 
 
 def body_bytes(records: Sequence[Record]) -> int:

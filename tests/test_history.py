@@ -3,6 +3,7 @@ processes writing at once lose nothing."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -101,7 +102,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_two_writer_processes_at_once_lose_nothing_and_corrupt_nothing(store, tmp_path):
-    env = {"SPECDECK_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(who)], env=env)
                for who in (1, 2)]
     assert [w.wait(timeout=120) for w in writers] == [0, 0]
@@ -122,3 +123,22 @@ def test_a_tokenizer_digest_follows_the_vocabulary_only():
         history.tokenizer_digest(Tok({"b": 1, "a": 0}))
     assert history.tokenizer_digest(Tok({"a": 0, "b": 1})) != \
         history.tokenizer_digest(Tok({"a": 1, "b": 0}))
+
+
+def test_a_recorded_reply_is_drafted_from_at_once_and_on_disk_after_a_restart(store):
+    live = history.History(store, prompt_tail=2)
+    live.record(LOCAL, [1, 2, 3, 4], [5, 6])
+    assert live.tokens(LOCAL) == 4  # the prompt's tail and the reply, indexed before the disk
+    live.flush()
+    assert history.History(HistoryStore("d1g35t")).index(LOCAL).n_tokens == 4
+    assert HistoryStore("d1g35t").load(LOCAL) == [Record((3, 4, 5, 6))]
+
+
+def test_a_reply_recorded_by_another_process_is_indexed_on_the_next_write(store):
+    live = history.History(store)
+    live.record(LOCAL, [1, 2], [3])
+    live.flush()
+    HistoryStore("d1g35t").append(LOCAL, [Record((7, 8, 9))])  # a server beside this UI
+    live.record(LOCAL, [4], [5])
+    live.flush()
+    assert live.tokens(LOCAL) == 3 + 3 + 2

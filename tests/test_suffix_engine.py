@@ -105,3 +105,27 @@ def test_sampled_output_with_the_suffix_cache_follows_the_target(history, tree):
     drafter = SuffixDrafter(history, tree=tree)
     assert_follows(second_tokens(target, prompt, drafter, n), second_token_law(target, prompt)
                    * n)
+
+
+@pytest.mark.parametrize("no_history", [False, True])
+def test_every_finished_reply_plain_ones_too_is_recorded_unless_no_history(
+        tmp_path, monkeypatch, no_history):
+    from types import SimpleNamespace
+
+    from app.loading import load_engine
+    from app.store import history as store
+    from tests.tiny import save_hf_folder, tiny_llama
+
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
+    folder = save_hf_folder(tiny_llama(seed=1), tmp_path / "tiny")
+    loaded = load_engine(SimpleNamespace(target=str(folder), drafter="none", draft=None, k=0,
+                                         backend="torch", device="cpu", dtype="float32",
+                                         no_history=no_history))
+    done = greedy(loaded.engine, None, None, n=6)
+    assert (loaded.history is None) == no_history
+    if no_history:
+        assert store.stats() == []
+        return
+    loaded.history.flush()
+    [kept] = store.stats()
+    assert kept.partition == LOCAL and kept.tokens == len(PROMPT) + len(done.token_ids)

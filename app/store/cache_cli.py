@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.types import SpecdeckError
+from app.flags import add_history_bounds
 from app.store import history
 
 SKIPPED_FOLDERS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv",
@@ -45,7 +46,7 @@ def add_subcommand(sub: Any) -> None:
     build.add_argument("--target", help="the pair id, HF folder or .gguf whose tokenizer "
                                         "reads it (default: the pair used last)")
     build.add_argument("--backend", default="auto", help="the backend that loads --target")
-    add_bound_arguments(build)
+    add_history_bounds(build)
     build.set_defaults(handler=_build)
     stats = actions.add_parser("stats", help="what the history holds, per tokenizer and "
                                              "partition, and where")
@@ -56,17 +57,10 @@ def add_subcommand(sub: Any) -> None:
     p.set_defaults(handler=lambda args: p.print_help() or 2)
 
 
-def add_bound_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--history-max-tokens", type=int, default=history.DEFAULT_MAX_TOKENS,
-                   help="tokens the history keeps per partition, oldest evicted first "
-                        "(default 1M)")
-    p.add_argument("--history-max-bytes", type=int, default=history.DEFAULT_MAX_BYTES,
-                   help="bytes the history folder may take on disk (default 256 MB)")
-
-
 def bounds_of(args: argparse.Namespace) -> history.Bounds:
     try:
-        return history.Bounds(args.history_max_tokens, args.history_max_bytes)
+        return history.Bounds(getattr(args, "history_max_tokens", history.DEFAULT_MAX_TOKENS),
+                              getattr(args, "history_max_bytes", history.DEFAULT_MAX_BYTES))
     except ValueError:
         raise SpecdeckError("--history-max-tokens and --history-max-bytes must be positive"
                             ) from None

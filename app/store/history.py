@@ -1,24 +1,27 @@
 """The history store: past prompts and replies (and seeded text), kept as token records on disk.
 
 Knows: one file per tokenizer and partition, `SPECDECK_HOME/history/<tokenizer
-digest>/<partition>.hist`: a JSON header line (format, version, tokenizer digest, partition,
-counts, the body's sha256) then the body (record lengths uint32, kinds uint8, tokens
-uint32, little-endian). The bounds (tokens per file, bytes on disk for the whole history
-folder), eviction oldest first, atomic writes (temp file, fsync, rename) under a file lock so
-two processes on one home (a UI and a server) lose nothing, and setting aside a damaged or
-foreign file (renamed, with a message naming both paths) so the app keeps running on an
-empty history. Partitions: one per API key (its hash, never the key), `LOCAL` without keys.
-`History` is the live side: the store plus one suffix index per partition (app/drafters/
-suffix.py), loaded on first use and swapped whole when a reply is recorded.
+digest>/<partition>.hist` (SPECDECK_HISTORY moves the folder): a JSON header line (format,
+version, tokenizer digest, partition, counts, the body's sha256), then the body (record
+lengths uint32, kinds uint8, tokens uint32, little-endian). The bounds (tokens per file,
+bytes on disk for the whole history folder), eviction oldest first, atomic writes (temp
+file, fsync, rename) under a file lock so two processes on one home (a UI and a server) lose
+nothing, and setting aside a damaged or foreign file (renamed, with a message naming both
+paths) so the app keeps running on an empty history. Partitions: one per API key (its hash,
+never the key), `LOCAL` without keys. `History` is the live side: the store plus one suffix
+index per partition (app/drafters/suffix.py), loaded on first use and swapped whole when a
+reply is recorded.
 Must not know: models, how drafts are made from the index, surfaces.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -29,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.engine import LOCAL_PARTITION
 from app.drafters.suffix import SuffixIndex, index_of
 from app.paths import home
 
@@ -41,7 +45,7 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 # eviction goes down to this share of the bound, so a full history is rewritten (and its
 # index rebuilt) once per tenth of the bound, not on every reply
 LOW_WATER = 0.9
-LOCAL = "local"  # the one partition without API keys
+LOCAL = LOCAL_PARTITION  # the one partition without API keys
 REPLY, SEEDED = "reply", "seeded"
 KINDS = (REPLY, SEEDED)  # a record's kind is stored as its index here
 LOCK_TIMEOUT_S = 30.0
@@ -89,7 +93,8 @@ class Damaged(Exception):
 
 
 def root() -> Path:
-    return home() / "history"
+    """SPECDECK_HOME/history, or SPECDECK_HISTORY where it is set (a history kept apart)."""
+    return Path(os.environ.get("SPECDECK_HISTORY") or home() / "history")
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -214,13 +219,20 @@ class HistoryStore:
 
 
 class History:
-    """One tokenizer's history, live: records on disk, an index per partition in memory."""
+    """One tokenizer's history, live: records on disk, an index per partition in memory.
+
+    A recorded reply enters the partition's index at once (the next request drafts from
+    it) and the disk on a thread of its own: a full history's file takes tens of
+    milliseconds to rewrite, which no reply waits for. `flush` waits for the disk."""
 
     def __init__(self, store: HistoryStore, prompt_tail: int = PROMPT_TAIL) -> None:
         self.store = store
         self.prompt_tail = prompt_tail
         self._indexes: dict[str, SuffixIndex] = {}
-        self._lock = threading.Lock()  # recording may run beside drafting, on another thread
+        self._unwritten: dict[str, list[Record]] = {}  # in the index, not yet on disk
+        self._lock = threading.RLock()
+        self._queue: queue.Queue[tuple[str, Record]] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     @property
     def folder(self) -> Path:
@@ -239,21 +251,51 @@ class History:
     def record(self, partition: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """A finished reply, after the tail of its prompt (the reply follows that text)."""
         tokens = (*prompt[len(prompt) - min(len(prompt), self.prompt_tail):], *output)
-        self.add(partition, [Record(tuple(int(t) for t in tokens), REPLY)])
+        record = Record(tuple(int(t) for t in tokens), REPLY)
+        with self._lock:
+            self._indexes[partition] = self.index(partition).added([(record.tokens, False)])
+            self._unwritten.setdefault(partition, []).append(record)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_forever,
+                                                name="history-writer", daemon=True)
+                self._writer.start()
+                atexit.register(self.flush)
+        self._queue.put((partition, record))
 
     def add(self, partition: str, records: Sequence[Record]) -> None:
+        """Records written now (seeds, tests), then indexed."""
+        self.flush()
         with self._lock:
-            before = self._indexes.get(partition)
-            kept, evicted = self.store.append(partition, records)
-            if before is not None and not evicted \
-                    and len(before.record_starts) + len(records) == len(kept):
-                self._indexes[partition] = before.added(
-                    [(r.tokens, r.kind == SEEDED) for r in records])
-            else:  # evicted, or another process wrote too: index what the file holds
-                self._indexes[partition] = index_of(kept)
+            kept, _ = self.store.append(partition, records)
+            self._indexes[partition] = index_of(kept)
+
+    def flush(self) -> None:
+        """Wait until every recorded reply is on disk."""
+        if self._writer is not None:
+            self._queue.join()
 
     def tokens(self, partition: str) -> int:
         return self.index(partition).n_tokens
+
+    def _write_forever(self) -> None:
+        while True:
+            partition, record = self._queue.get()
+            try:
+                self._write(partition, record)
+            except Exception as error:  # noqa: BLE001 - a reply must never fail on its history
+                _log.warning(f"history not written to {self.store.path(partition)}: {error}")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, partition: str, record: Record) -> None:
+        kept, evicted = self.store.append(partition, [record])
+        with self._lock:
+            unwritten = self._unwritten[partition]
+            unwritten.remove(record)
+            index = self._indexes[partition]
+            if evicted or len(index.record_starts) != len(kept) + len(unwritten):
+                # evicted, or another process wrote too: index what the file holds
+                self._indexes[partition] = index_of([*kept, *unwritten])
 
 
 def open_history(tokenizer: Any, bounds: Bounds = Bounds()) -> History:

@@ -325,3 +325,17 @@ class SuffixDrafter:
 def index_of(records: Sequence[Any]) -> SuffixIndex:
     """An index over history records (anything with `tokens` and `kind`)."""
     return SuffixIndex.build([(r.tokens, r.kind == SEEDED) for r in records])
+
+
+def for_partition(drafter: Any, partition: str) -> Any:
+    """The drafter drafting from another partition's history: its suffix members (a chain's
+    too) bound to it, every other member itself (a draft model keeps its state)."""
+    bound = getattr(drafter, "bound", None)
+    if bound is not None:
+        return bound(partition)
+    members = getattr(drafter, "members", None)
+    if not members:
+        return drafter
+    from app.drafters.chain import ChainDrafter
+
+    return ChainDrafter(tuple(for_partition(m, partition) for m in members), name=drafter.name)

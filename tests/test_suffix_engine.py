@@ -129,3 +129,18 @@ def test_every_finished_reply_plain_ones_too_is_recorded_unless_no_history(
     loaded.history.flush()
     [kept] = store.stats()
     assert kept.partition == LOCAL and kept.tokens == len(PROMPT) + len(done.token_ids)
+
+
+def test_the_workbench_records_chat_replies_and_one_click_clears_them(target, tmp_path):
+    from app.store import history as store
+    from app.ui.workbench import Workbench
+
+    bench = Workbench()
+    bench.attach(target)
+    bound, _ = bench.engine("none", 4)
+    greedy(bound.engine, bound.drafter, 0, n=5)
+    assert "History is on" in bench.history_notice and bench.history.tokens(LOCAL) > 0
+    bench.history.flush()
+    assert "1 files removed" in bench.clear_history()
+    assert store.stats() == [] and bench.history.tokens(LOCAL) == 0
+    assert "off" in Workbench(history=False).history_notice

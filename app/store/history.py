@@ -277,6 +277,12 @@ class History:
     def tokens(self, partition: str) -> int:
         return self.index(partition).n_tokens
 
+    def forget(self) -> None:
+        """Drop what is in memory (the files are being cleared): later replies start afresh."""
+        self.flush()
+        with self._lock:
+            self._indexes.clear()
+
     def _write_forever(self) -> None:
         while True:
             partition, record = self._queue.get()

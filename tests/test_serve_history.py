@@ -34,6 +34,10 @@ def test_each_api_key_records_into_its_own_partition(tmp_path):
         deadline = time.monotonic() + 30
         while len(history.stats()) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)  # the history is written on a thread of its own
+        metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics",
+                            headers={"Authorization": "Bearer bob-key"}).text
+        assert "specdeck:history_tokens{" in metrics
+        assert 'specdeck:history_max_tokens{model_name="' in metrics
     parts = {s.partition for s in history.stats()}
     assert parts == {history.partition_of("alice-key"), history.partition_of("bob-key")}
     assert all("key" not in p.removeprefix("key-") for p in parts)  # hashes, never the keys

@@ -76,8 +76,8 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
-        text = (served.metrics.render(served.model_id) if pool is None
-                else render_all(served.pair_metrics))
+        text = (served.metrics.render(served.model_id) + history_gauges(served)
+                if pool is None else render_all(served.pair_metrics))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _complete(request: Request, chat: bool) -> Any:
@@ -165,6 +165,27 @@ def pool_models_list(pool: Pool) -> dict[str, Any]:
                       "owned_by": "specdeck", "max_model_len": item.context,
                       "specdeck": info})
     return {"object": "list", "data": cards}
+
+
+def history_gauges(served: Served) -> str:
+    """The history's size against its bounds (app/store/history.py), where one is kept."""
+    from app.serve import prometheus
+    from app.store.history import stats
+
+    live = getattr(served.engine, "recorder", None)
+    if live is None:
+        return ""
+    label = {"model_name": served.model_id}
+    on_disk = sum(s.bytes for s in stats())
+    return "".join(prometheus.render(*family) for family in (
+        ("specdeck:history_tokens", "gauge", "Tokens the history holds in memory.",
+         [(label, live.memory_tokens())]),
+        ("specdeck:history_max_tokens", "gauge", "Tokens a history partition may hold.",
+         [(label, live.store.bounds.max_tokens)]),
+        ("specdeck:history_disk_bytes", "gauge", "Bytes the history folder takes on disk.",
+         [(label, on_disk)]),
+        ("specdeck:history_max_disk_bytes", "gauge", "Bytes the history folder may take.",
+         [(label, live.store.bounds.max_bytes)])))
 
 
 def _bearer(header: str) -> str:

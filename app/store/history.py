@@ -277,6 +277,10 @@ class History:
     def tokens(self, partition: str) -> int:
         return self.index(partition).n_tokens
 
+    def memory_tokens(self) -> int:
+        """Tokens indexed in memory, over the partitions loaded."""
+        return sum(index.n_tokens for index in tuple(self._indexes.values()))
+
     def forget(self) -> None:
         """Drop what is in memory (the files are being cleared): later replies start afresh."""
         self.flush()

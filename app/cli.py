@@ -26,7 +26,7 @@ from app.flags import add_model_arguments
 # modules that define add_subcommand(subparsers); missing ones are skipped until they exist
 SUBCOMMAND_MODULES = (
     "app.store.cli", "app.bench.cli", "app.serve.server", "app.ui", "app.catalogue.recipe",
-    "app.train")
+    "app.train", "app.store.cache_cli")
 SEED_LIMIT = 2**64  # numpy's generators take seeds in [0, 2**64)
 CLOSED_PIPE_EXIT = 141  # what a shell reports for a writer ended by SIGPIPE (128 + 13)
 

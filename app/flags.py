@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from app import drafters
+from app.store.history import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
 # every surface drafts with the planner's choice for the target, its k chosen per step from
 # measured costs (k=auto turns drafting off where it does not pay)
@@ -39,6 +40,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step (num_draft_tokens), or auto (the default): "
                         "chosen per step from measured costs and acceptance")
     add_runtime_arguments(p)
+    p.add_argument("--no-history", action="store_true",
+                   help="neither record replies nor draft from past ones (the history is on "
+                        "by default: SPECDECK_HOME/history, `specdeck cache clear` empties it)")
+    add_history_bounds(p)
+
+
+def add_history_bounds(p: argparse.ArgumentParser) -> None:
+    """How much history is kept: `specdeck cache build` and the model commands."""
+    p.add_argument("--history-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens the history keeps per partition, the oldest evicted first "
+                        "(default 1M)")
+    p.add_argument("--history-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="bytes the history folder may take on disk (default 256 MB)")
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ class Loaded:
     notes: tuple[str, ...] = ()  # why this drafter (the planner's reasons for --drafter auto)
     draft: Any = None  # the loaded draft model, when the drafter uses one
     backend: Any = None
+    history: Any = None  # app/store/history.History, None under --no-history
 
 
 def load_engine(args: Any) -> Loaded:
@@ -56,6 +57,11 @@ def load_engine(args: Any) -> Loaded:
     elif drafter_kind == "auto":
         drafter_kind, draft_path, notes = auto_drafter(args.target, backend.name, args.device,
                                                        args.draft)
+    history = open_history(args, target)
+    if drafter_kind == "ngram" and history is not None and args.drafter == "auto":
+        drafter_kind = "suffix"  # model-free lookup that also reads past replies
+        notes = (*notes, "drafter: suffix, prompt lookup over this request and past replies "
+                         "(--no-history: the request only)")
     if args.k == 0:
         drafter_kind = "none"
     draft = None
@@ -66,10 +72,21 @@ def load_engine(args: Any) -> Loaded:
     head = draft_path if drafter_kind in drafters.HEADS else None
     drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
                                      vocab_limit=getattr(args, "draft_vocab", 0), head=head,
-                                     tree=tree)
-    engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k)
+                                     tree=tree, history=history)
+    engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k,
+                        recorder=history)
     return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
-                  notes=notes, draft=draft, backend=backend)
+                  notes=notes, draft=draft, backend=backend, history=history)
+
+
+def open_history(args: Any, target: Any) -> Any:
+    """The target's tokenizer's history under SPECDECK_HOME, None under --no-history."""
+    if getattr(args, "no_history", False):
+        return None
+    from app.store import history
+    from app.store.cache_cli import bounds_of
+
+    return history.open_history(target.tokenizer, bounds_of(args))
 
 
 def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:

@@ -67,6 +67,14 @@ def mlx_unrelated(tmp_path_factory):
     return mlx_twin(tiny_llama(seed=2), tmp_path_factory.mktemp("mlx-unrelated"))
 
 
+@pytest.fixture(autouse=True)
+def _a_history_of_its_own(tmp_path_factory, monkeypatch):
+    """Every surface records its replies (app/store/history.py): each test, and the servers
+    it starts, records into a folder of its own, never the real SPECDECK_HOME's history
+    (tests that download SmolLM2 use that home)."""
+    monkeypatch.setenv("SPECDECK_HISTORY", str(tmp_path_factory.mktemp("history")))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_heads_trained_on_this_machine():
     """Tests plan with the shipped catalogue: heads the developer trained (listed in the real

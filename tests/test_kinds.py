@@ -31,14 +31,15 @@ RAN = {
     "torch": frozenset(NAMES),
     "mlx": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "eagle3", "eagle",
                       "lookup+eagle3", "lookup+eagle", "medusa", "dflash", "dspark", "mtp",
-                      "lookahead"}),
-    "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead"}),
+                      "lookahead", "suffix"}),
+    "llamacpp": frozenset({"none", "ngram", "ngram-tree", "draft", "chain", "lookahead",
+                           "suffix"}),
 }
 # what the planner picks from: mlx verifies trees now (backends/mlx/tree.py), so lookahead
 # and lookup trees are no longer passed over there; llama.cpp planned over LOGITS_ONLY
 PLANNED = {"torch": frozenset(NAMES),
            "mlx": RAN["mlx"],
-           "llamacpp": frozenset({"none", "ngram", "draft", "chain"})}
+           "llamacpp": frozenset({"none", "ngram", "draft", "chain", "suffix"})}
 
 
 def target_on(backend: str) -> FakeModel:

@@ -309,9 +309,9 @@ def install_folder(model_id: str, tiny) -> None:
     (folder / store.MARKER).write_text(json.dumps({"load": "."}))
 
 
-def engine_args(target: str, drafter: str) -> SimpleNamespace:
+def engine_args(target: str, drafter: str, no_history: bool = False) -> SimpleNamespace:
     return SimpleNamespace(target=target, drafter=drafter, draft=None, k=3, backend="torch",
-                           device="cpu", dtype="float32")
+                           device="cpu", dtype="float32", no_history=no_history)
 
 
 def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
@@ -324,9 +324,11 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
     with pytest.raises(SpecdeckError, match=re.escape(f"run `specdeck pull {pair}`")):
         load_engine(engine_args(pair, "auto"))
     install_folder("qwen2.5-coder-1.5b-instruct-q4km", target)
-    ngram = load_engine(engine_args(pair, "auto"))
+    ngram = load_engine(engine_args(pair, "auto", no_history=True))
     assert ngram.drafter_name == "ngram"
     assert any("is not downloaded" in note for note in ngram.notes)
+    # with the history on (the default), model-free lookup also reads past replies
+    assert load_engine(engine_args(pair, "auto")).drafter_name == "suffix"
     install_folder("qwen2.5-coder-0.5b-instruct-q4km", unrelated)
     loaded = load_engine(engine_args(pair, "auto"))
     assert loaded.drafter_name == "chain"  # the pair's draft model, behind prompt lookup

@@ -21,7 +21,7 @@ import numpy as np
 from app.core.adaptive import KController
 from app.core.auto_k import AutoK
 from app.core.feed import StepFeed
-from app.core.protocols import Drafter, Members, Model, NoDrafter, TargetOutput
+from app.core.protocols import Drafter, Members, Model, NoDrafter, Recorder, TargetOutput
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
 from app.core.types import (
@@ -42,6 +42,7 @@ Event = Step | Done
 # know, and backends size their exact verify paths for k + 1 rows (backends/torch/exactness.py)
 MAX_K = 32
 DEFAULT_K = 4  # draft tokens per step when a call names a drafter but no k
+LOCAL_PARTITION = "local"  # whose history a reply goes to when no API key names one
 
 
 @dataclass
@@ -160,12 +161,15 @@ class SpecEngine:
     `drafter` and `k` given here are defaults; each `generate` call may pass its own. One
     generation at a time: a second concurrent `generate` is refused. Callers that want to
     queue hold `lock` around the whole generation (the UI's busy lock, the server's).
+    `recorder` hears every finished reply, plain or speculative, whatever surface asked for
+    it (the history; None records nothing).
     """
 
     def __init__(self, target: Model, drafter: Drafter | None = None, k: int | str = 4,
-                 k_max: int = 8) -> None:
+                 k_max: int = 8, recorder: Recorder | None = None) -> None:
         check_k(k)
         self.target = target
+        self.recorder = recorder
         self.drafter: Drafter = drafter or NoDrafter()
         self.k: int | str = k if drafter is not None else 0
         self.k_max_default = k_max
@@ -206,12 +210,14 @@ class SpecEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None, *, drafter: Drafter | None = None,
-                 k: int | str | None = None) -> Iterator[Event]:
+                 k: int | str | None = None, partition: str = LOCAL_PARTITION
+                 ) -> Iterator[Event]:
         """Decode a reply to prompt_ids, speculatively when a drafter is given.
 
         Args: drafter and k default to the engine's own; k is a count or "auto" (chosen per
         step by a controller kept per drafter name). cancel, when set, ends the generation
-        after the current step with stop_reason "cancelled".
+        after the current step with stop_reason "cancelled". partition: whose history the
+        reply is recorded in (the engine's recorder).
         Yields: a Step per engine step (the first is the prefill's token), then one Done;
         errors become Done(stop_reason="error"). On exit, however it ends, the session
         holds the prompt and every committed token but the last (the pending token).
@@ -224,13 +230,13 @@ class SpecEngine:
         if not self._running.acquire(blocking=False):
             raise SpecdeckError("this model is already generating: wait for it or stop it")
         try:
-            yield from self._generate(prompt_ids, params, cancel, drafter, k)
+            yield from self._generate(prompt_ids, params, cancel, drafter, k, partition)
         finally:
             self._running.release()
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                  cancel: threading.Event | None, drafter: Drafter, k: int | str
-                  ) -> Iterator[Event]:
+                  cancel: threading.Event | None, drafter: Drafter, k: int | str,
+                  partition: str) -> Iterator[Event]:
         controllers = self.controllers(drafter, k)
         call = _Call(drafter=drafter, k=k,
                      auto=AutoK(drafter, controllers) if controllers else None)
@@ -287,6 +293,8 @@ class SpecEngine:
             # the cache keeps committed tokens minus the pending one, whatever happened
             committed = len(prompt) + len(output) - 1 if output else self.session.length
             self.session.rewind(min(committed, self.session.length))
+        if self.recorder is not None and output:
+            self.recorder.record(partition, prompt, output)
         yield Done(text=rules.final_text(), token_ids=tuple(output), stop_reason=reason,
                    stats=tally.freeze(len(output), self.target.peak_memory_bytes()),
                    from_draft=tuple(from_draft))

@@ -175,6 +175,13 @@ class VocabViews(Protocol):
     def restrict_vocab(self, token_ids: Sequence[int] | None) -> None: ...
 
 
+class Recorder(Protocol):
+    """Where finished replies go (the history a suffix drafter drafts from), per partition
+    (an API key's, or "local"). Called once per reply, before its Done: it must be quick."""
+
+    def record(self, partition: str, prompt: Sequence[int], output: Sequence[int]) -> None: ...
+
+
 class NoDrafter:
     """Plain decoding: the same engine loop with a drafter that proposes nothing."""
 

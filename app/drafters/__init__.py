@@ -1,10 +1,12 @@
 """Drafters that need no array library of their own, and the one factory every surface uses.
 
 Knows: how each drafter kind (app/drafters/kinds.py's table) is built: prompt lookup (chain
-or tree) and lookahead decoding here, a draft model, heads and the target's own layers by the
-backend's `make_drafter`, and lookup going first; the kind sets older callers read, derived
-from the table. Must not know: array libraries (a backend builds the drafters it owns),
-surfaces, whether a kind can run on a backend (kinds.check decides; the factory asks it).
+or tree), the suffix cache and lookahead decoding here, a draft model, heads and the
+target's own layers by the backend's `make_drafter`, and lookup going first (the suffix
+cache where a history is given: it matches the request too); the kind sets older callers
+read, derived from the table. Must not know: array libraries (a backend builds the drafters
+it owns), surfaces, whether a kind can run on a backend (kinds.check decides; the factory
+asks it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from app.drafters.kinds import (
 )
 from app.drafters.lookahead import LookaheadDrafter
 from app.drafters.ngram import NgramDrafter, NoDrafter
+from app.drafters.suffix import HistorySource, SuffixDrafter
 
 __all__ = ["LOOKUP_FIRST", "TREE_SUFFIX"]
 
@@ -54,17 +57,22 @@ def describe(kind: str) -> str:
 
 
 def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = None,
-                  vocab_limit: int = 0, head: str | None = None, tree: bool = False) -> Drafter:
+                  vocab_limit: int = 0, head: str | None = None, tree: bool = False,
+                  history: HistorySource | None = None) -> Drafter:
     """The drafter of this kind for target; SpecdeckError with kinds.check's message when it
     cannot be.
 
     head: the folder of a head drafter (kinds in HEADS); tree: draft trees where the kind
     drafts them when asked (EAGLE-2 dynamic trees), verified by the tree verifier; the other
-    kinds ignore it, as --tree's help says."""
+    kinds ignore it, as --tree's help says. history: past replies (app/store/history.py's
+    History) for the suffix kind, and for the member ahead of a model (None: --no-history;
+    prompt lookup goes first then)."""
     require(kind, getattr(backend, "runs", None),
             capabilities=getattr(target, "capabilities", None), tree=tree,
             has_draft=draft is not None, has_head=bool(head),
             target=getattr(target, "name", "this target"))
+    if kind == "suffix":
+        return _suffix(target, history)
     if kind in _MODEL_FREE:
         return _MODEL_FREE[kind]()
     record = BY_NAME[kind]
@@ -73,7 +81,18 @@ def build_drafter(kind: str, target: Any, *, backend: Any = None, draft: Any = N
         raise SpecdeckError(f"drafter {kind!r} is built by a backend, and none was given")
     built = backend.make_drafter(record.built_as, target, draft=draft, head=head, tree=tree,
                                  vocab_limit=vocab_limit)
-    return ChainDrafter((_chain_lookup(), built)) if record.after_lookup else built
+    if not record.after_lookup:
+        return built
+    first = _chain_lookup() if history is None else \
+        _suffix(target, history, min_match=CHAIN_LOOKUP_MIN_N)
+    return ChainDrafter((first, built))
+
+
+def _suffix(target: Any, history: HistorySource | None, min_match: int = 1) -> SuffixDrafter:
+    # trees where the target verifies them; elsewhere the greedy chain, not a cut tree
+    capabilities = getattr(target, "capabilities", None)
+    return SuffixDrafter(history, tree=bool(getattr(capabilities, "tree_attention", False)),
+                         min_match=min_match, max_nodes=TREE_NODES)
 
 
 def _chain_lookup() -> NgramDrafter:

@@ -111,6 +111,9 @@ TABLE = (
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
          trees=ALWAYS, rank=8, source=FREE, why="its tree costs many verify rows per step",
          kv_cache=False),
+    # the planner's "ngram" runs as this while history is on (app/loading.py): rank 0
+    Kind("suffix", NOTHING, "suffix cache: the longest match in this request or in past "
+         "replies (a tree where the target takes trees)", kv_cache=False),
 )
 BY_NAME = {kind.name: kind for kind in TABLE}
 NAMES = tuple(BY_NAME)

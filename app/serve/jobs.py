@@ -1,16 +1,20 @@
 """A request made ready to run: the served engine, the prompt's ids (chat template or raw
 completion), the sampling values and the job the relay runs.
 
-Knows: the OpenAI request values (app/serve/requests.py) and a SpecEngine's tokenizer and context.
+Knows: the OpenAI request values (app/serve/requests.py) and a SpecEngine's tokenizer and context;
+the API keys and the history partition each one's requests record into and draft from.
 Must not know: HTTP, threads or the reply shapes.
 """
 
-from dataclasses import dataclass, field
+import hmac
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app import drafters
+from app.core.engine import LOCAL_PARTITION
 from app.core.types import SamplingParams, SpecdeckError
 from app.drafters.kinds import check, unknown
+from app.drafters.suffix import for_partition
 from app.flags import DEFAULT_K
 from app.runtime import compute
 from app.serve.admission import Gate
@@ -46,6 +50,7 @@ class Served:
     backend_name: str = "?"
     default_k: int | str = DEFAULT_K
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # more keys (serve --api-key repeated, --api-keys-file)
     metrics: "Metrics" = field(default_factory=lambda: Metrics())
     gate: Gate = field(default_factory=lambda: Gate(DEFAULT_MAX_WAITING))
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
@@ -55,6 +60,21 @@ class Served:
     _drafters: dict[str, Any] = field(default_factory=dict)  # built on first request, kept
     # serving the installed pairs: each pair's counters, kept across its unloads
     pair_metrics: dict[str, Metrics] = field(default_factory=dict)
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*((self.api_key,) if self.api_key else ()), *self.api_keys)))
+
+    def partition_of(self, token: str) -> str | None:
+        """The history partition of a bearer token: its key's (history.partition_of), the
+        local one when the server takes no keys, None for a wrong token."""
+        from app.store.history import partition_of
+
+        keys = self.keys()
+        if not keys:
+            return LOCAL_PARTITION
+        # every key compared, in constant time each: which one matched is not timed
+        matched = [key for key in keys if hmac.compare_digest(token.encode(), key.encode())]
+        return partition_of(matched[0]) if matched else None
 
     def drafter_for(self, name: str | None) -> tuple[Any, str]:
         """The drafter a request asks for; ApiError when this server cannot run it."""
@@ -72,7 +92,8 @@ class Served:
             raise ApiError(refusal.message, "drafter")
         if name not in self._drafters:
             self._drafters[name] = drafters.build_drafter(
-                name, self.engine.target, backend=self.backend, draft=self.draft)
+                name, self.engine.target, backend=self.backend, draft=self.draft,
+                history=getattr(self.engine, "recorder", None))
         return self._drafters[name], name
 
     def k_for(self, drafter: str, k: int | None) -> int | str:
@@ -96,6 +117,12 @@ class Job:
     drafter: Any
     drafter_name: str
     k: int | str  # a count, or "auto"
+    partition: str = LOCAL_PARTITION  # whose history it records into and drafts from
+
+    def for_partition(self, partition: str) -> "Job":
+        if partition == self.partition:
+            return self
+        return replace(self, partition=partition, drafter=for_partition(self.drafter, partition))
 
 
 def chat_prompt(served: Served, request: ChatRequest) -> list[int]:

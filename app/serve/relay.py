@@ -77,7 +77,7 @@ class Run:
         done = None
         events = compute.steps(engine.generate(self.job.prompt_ids, self.job.params,
                                                self.cancel, drafter=self.job.drafter,
-                                               k=self.job.k))
+                                               k=self.job.k, partition=self.job.partition))
         try:
             for event in events:
                 self._put(event)

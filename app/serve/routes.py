@@ -8,7 +8,6 @@ the handlers are defined inside build_app so that `specdeck --help` never import
 """
 
 import asyncio
-import hmac
 import json
 import time
 from typing import Any
@@ -31,8 +30,10 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
     from starlette.requests import ClientDisconnect
 
     def authorise(request: Request) -> None:
-        if served.api_key and request.url.path != "/health" and not _authorised(
-                request.headers.get("authorization", ""), served.api_key):
+        # each key's requests record into, and draft from, that key's history only
+        request.state.partition = served.partition_of(
+            _bearer(request.headers.get("authorization", "")))
+        if request.state.partition is None and request.url.path != "/health":
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer KEY'",
                            status=401, code="invalid_api_key")
 
@@ -75,8 +76,8 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
-        text = (served.metrics.render(served.model_id) if pool is None
-                else render_all(served.pair_metrics))
+        text = (served.metrics.render(served.model_id) + history_gauges(served)
+                if pool is None else render_all(served.pair_metrics))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _complete(request: Request, chat: bool) -> Any:
@@ -94,6 +95,7 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
         except BaseException:
             ticket.close()
             raise
+        job = job.for_partition(request.state.partition)
         reply, run = Reply(target, job, chat), Run(target, job, ticket, on_end)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -165,7 +167,27 @@ def pool_models_list(pool: Pool) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
-def _authorised(header: str, key: str) -> bool:
+def history_gauges(served: Served) -> str:
+    """The history's size against its bounds (app/store/history.py), where one is kept."""
+    from app.serve import prometheus
+    from app.store.history import stats
+
+    live = getattr(served.engine, "recorder", None)
+    if live is None:
+        return ""
+    label = {"model_name": served.model_id}
+    on_disk = sum(s.bytes for s in stats())
+    return "".join(prometheus.render(*family) for family in (
+        ("specdeck:history_tokens", "gauge", "Tokens the history holds in memory.",
+         [(label, live.memory_tokens())]),
+        ("specdeck:history_max_tokens", "gauge", "Tokens a history partition may hold.",
+         [(label, live.store.bounds.max_tokens)]),
+        ("specdeck:history_disk_bytes", "gauge", "Bytes the history folder takes on disk.",
+         [(label, on_disk)]),
+        ("specdeck:history_max_disk_bytes", "gauge", "Bytes the history folder may take.",
+         [(label, live.store.bounds.max_bytes)])))
+
+
+def _bearer(header: str) -> str:
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
+    return token.strip() if scheme.lower() == "bearer" else ""

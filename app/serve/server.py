@@ -43,8 +43,12 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("SPECDECK_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $SPECDECK_API_KEY)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $SPECDECK_API_KEY); "
+                        "repeat it for several users: each key's replies are a history of "
+                        "their own, never drafted for another key")
+    p.add_argument("--api-keys-file", help="a file of API keys, one a line (# comments), "
+                                           "beside any --api-key")
     p.add_argument("--served-model-name", help="model id clients send (default: target name)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_MB:g})")
@@ -79,10 +83,10 @@ def _serve(args: argparse.Namespace) -> int:
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=request_k_default(args.k),
-                    api_key=args.api_key or None, gate=Gate(args.max_waiting),
+                    api_keys=api_keys(args), gate=Gate(args.max_waiting),
                     max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
                     backend=loaded.backend)
-    _warn_if_open(args.host, served.api_key)
+    _warn_if_open(args.host, served.keys())
     for note in getattr(loaded, "notes", ()):
         print(f"specdeck: {note}", file=sys.stderr)
     print(f"specdeck: serving {served.model_id} (drafter {served.drafter_name}, k {engine.k}) "
@@ -100,8 +104,27 @@ def request_k_default(k: int | str) -> int | str:
     return k if k == "auto" or (isinstance(k, int) and k > 0) else DEFAULT_K
 
 
-def _warn_if_open(host: str, api_key: str | None) -> None:
-    if host not in LOOPBACK and not api_key:
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (each), $SPECDECK_API_KEY when none is given, and --api-keys-file's lines."""
+    keys = list(getattr(args, "api_key", None) or [])
+    if not keys and os.environ.get("SPECDECK_API_KEY"):
+        keys.append(os.environ["SPECDECK_API_KEY"])
+    path = getattr(args, "api_keys_file", None)
+    if path:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as error:
+            raise SpecdeckError(f"cannot read --api-keys-file {path}: {error.strerror}") \
+                from None
+        keys += [line.strip() for line in lines if line.strip() and
+                 not line.lstrip().startswith("#")]
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        raise SpecdeckError("an API key must be non-empty and hold no spaces")
+    return tuple(dict.fromkeys(keys))
+
+
+def _warn_if_open(host: str, keys: tuple[str, ...]) -> None:
+    if host not in LOOPBACK and not keys:
         print(f"specdeck: warning: serving on {host} without --api-key: anyone who can "
               "reach this machine can use the model", file=sys.stderr)
 
@@ -117,12 +140,12 @@ def _serve_installed(args: argparse.Namespace) -> int:
     listed, budget, runtime = installed_pairs(args)
     listener = listen_socket(args.host, args.port)
     front = Served(engine=None, model_id="specdeck", drafter_name=args.drafter,
-                   api_key=args.api_key or None, gate=Gate(args.max_waiting),
+                   api_keys=api_keys(args), gate=Gate(args.max_waiting),
                    max_body_bytes=int(args.max_body_mb * 2**20))
     pool = Pool(listed, lambda pair_id: _load_pair(args, front, pair_id), budget, keep_alive,
                 args.max_loaded, runtime_bytes=runtime,
                 log=lambda line: print(f"specdeck: {line}", file=sys.stderr, flush=True))
-    _warn_if_open(args.host, front.api_key)
+    _warn_if_open(args.host, front.keys())
     for item in listed:
         print(f"specdeck: {item.pair_id}: drafter {item.drafter}, needs "
               f"{item.need_bytes / 1e9:.2f} GB", file=sys.stderr)
@@ -186,7 +209,7 @@ def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
     return Served(engine=loaded.engine, model_id=pair_id, drafter_name=loaded.drafter_name,
                   backend_name=loaded.backend_name,
                   default_k=request_k_default(args.k),
-                  api_key=front.api_key, gate=front.gate, max_body_bytes=front.max_body_bytes,
+                  api_keys=front.keys(), gate=front.gate, max_body_bytes=front.max_body_bytes,
                   draft=loaded.draft, backend=loaded.backend,
                   metrics=front.pair_metrics.setdefault(pair_id, Metrics()))
 

@@ -47,7 +47,8 @@ def _ui(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     bench = Workbench(args.backend, args.device, args.dtype, default_k=args.k,
-                      draft_dtype=getattr(args, "draft_dtype", None))
+                      draft_dtype=getattr(args, "draft_dtype", None),
+                      history=not getattr(args, "no_history", False))
     message = attach_remote(bench, args) if args.remote else load_at_start(bench, args)
     loaded_s = time.perf_counter() - started
     demo = build_app(bench, drafter=args.drafter, start_notice=message,
@@ -191,6 +192,13 @@ def build_app(bench: Any, drafter: str = "auto", start_notice: str = "",
                 'lossless speculative decoding on your machine</div>')
         bar = gr.HTML(model_bar(bench), elem_id="model-bar")
         gr.HTML(notice(start_notice), elem_id="start-notice")
+        with gr.Row():
+            history_line = gr.HTML(f'<div class="sd-history">{html.escape(bench.history_notice)}'
+                                   '</div>', elem_id="history-notice")
+            clear = gr.Button("Clear history", size="sm", elem_id="clear-history",
+                              interactive=bench.keeps_history)
+        clear.click(lambda: f'<div class="sd-history">{html.escape(bench.clear_history())}'
+                            '</div>', outputs=history_line)
         # polls the start load's progress into the header; stops once the load has ended
         starting = bench.start is not None and bench.start.loading
         timer = gr.Timer(START_POLL_S, active=starting)

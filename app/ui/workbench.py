@@ -47,8 +47,11 @@ class Workbench:
     """The loaded models and their engines; everything a handler needs, nothing global."""
 
     def __init__(self, backend: str = "auto", device: str = "auto", dtype: str = "auto",
-                 default_k: int | str = 4, draft_dtype: str | None = None) -> None:
+                 default_k: int | str = 4, draft_dtype: str | None = None,
+                 history: bool = True) -> None:
         self.backend_name, self.device, self.dtype = backend, device, dtype
+        self.keeps_history = history  # off under --no-history
+        self.history: Any = None  # the loaded target's (app/store/history.py), when kept
         self.draft_dtype = draft_dtype or dtype
         self.default_k = default_k
         self.backend: Any = None  # the backend that loaded the models (bench builds drafters)
@@ -73,6 +76,24 @@ class Workbench:
     def loaded(self) -> bool:
         return self.target is not None
 
+    @property
+    def history_notice(self) -> str:
+        """What the page says of the history: on and where, or off."""
+        from app.store.history import root
+
+        if not self.keeps_history:
+            return "History is off (--no-history): replies are neither kept nor drafted from."
+        return (f"History is on: replies are kept in {root()} and drafted from later (on "
+                "this machine only); Clear history, or `specdeck cache clear`, empties it.")
+
+    def clear_history(self) -> str:
+        """Empty the whole history (every model's), on disk and in memory; what was done."""
+        from app.store.history import clear_all
+
+        if self.history is not None:
+            self.history.forget()
+        return f"History cleared: {clear_all()} files removed. " + self.history_notice
+
     def attach(self, target: Any, draft: Any = None, label: str = "",
                pair_id: str | None = None, auto_kind: Choice | None = None,
                engines: Callable[[str], Any] | None = None) -> None:
@@ -81,7 +102,10 @@ class Workbench:
         engines(lane) builds a lane's engine (default: a SpecEngine on target; tests script one).
         """
         self.target, self.draft, self.remote = target, draft, None
-        self._new_engine = engines or (lambda _lane: SpecEngine(target))
+        self.history = _history_of(target) if self.keeps_history else None
+        # the Chat lane records its replies; the Race tab's plain lane repeats a reply
+        self._new_engine = engines or (lambda lane: SpecEngine(
+            target, recorder=self.history if lane == "chat" else None))
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
         self._engines, self._drafters = {}, {}
@@ -189,7 +213,8 @@ class Workbench:
             base = choice.kind.removesuffix(drafters.TREE_SUFFIX)
             self._drafters[choice.kind] = compute.call(  # a head loads its weights
                 drafters.build_drafter, base, self.target, backend=self.backend,
-                draft=self.draft, head=self.head, tree=base != choice.kind)
+                draft=self.draft, head=self.head, tree=base != choice.kind,
+                history=self.history)
         return Bound(self._engines[lane], self._drafters[choice.kind],
                      0 if choice.kind == "none" else k), choice
 
@@ -292,3 +317,11 @@ def _is_head(path: str) -> bool:
     """An EAGLE head folder (read from its config and safetensors header, no torch)."""
     from backends.heads.eagle_format import head_kind
     return head_kind(path) is not None
+
+
+def _history_of(target: Any) -> Any:
+    """The target's tokenizer's history, or None for a target without a vocabulary."""
+    from app.store.history import open_history
+
+    tokenizer = getattr(target, "tokenizer", None)
+    return open_history(tokenizer) if hasattr(tokenizer, "get_vocab") else None

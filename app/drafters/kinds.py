@@ -6,7 +6,7 @@ states, tree attention), whether prompt lookup goes first, whether it drafts tre
 downloads a model of its own, and its description; and `check`: can a kind run here (against
 what a backend declares it runs, app/core/protocols.py's `Runs`), and if not, why and what
 the fix is. The factory, every surface, the planner and the backends ask `check`, so a
-refusal reads the same everywhere.
+refusal reads the same everywhere; `fallback`: what --drafter auto runs instead.
 Must not know: how a drafter is built (the factory and the backends build them), array
 libraries, surfaces (each passes what it has at hand: a loaded draft model, a head, a target's
 capabilities).
@@ -29,6 +29,7 @@ NEVER, ALWAYS, ASKED = "never", "always", "asked"
 LOOKUP_FIRST = "lookup+"  # "lookup+eagle3": prompt lookup first, the head where it has nothing
 TREE_SUFFIX = ":tree"  # "eagle3:tree": the kind drafting trees (kinds that draft them when asked)
 REFERENCE = "torch"  # the backend that builds every kind (a test holds it to that)
+FALLBACKS = ("ngram", "none")  # what auto runs, first that runs, where its choice cannot
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,18 @@ def require_built(kind: str, runs: Runs, **at_hand: Any) -> None:
     if kind not in runs.builds:
         raise SpecdeckError(f"the {runs.backend} backend builds {', '.join(sorted(runs.builds))}"
                             f", not {kind!r}: app.drafters.build_drafter builds every kind")
+
+
+def fallback(kind: str, runs: Runs | None, capabilities: Capabilities | None,
+             target: str = "this target") -> tuple[str, Refusal | None]:
+    """--drafter auto's last word on a loaded target: (kind, None) when kind runs there, else
+    the first of FALLBACKS that does and kind's refusal, so auto is never an error."""
+    refusal = check(kind, runs, capabilities=capabilities, target=target)
+    if refusal is None:
+        return kind, None
+    runnable = [k for k in FALLBACKS
+                if check(k, runs, capabilities=capabilities, target=target) is None]
+    return (runnable or ["none"])[0], refusal
 
 
 def _rewinds(kind: str, record: Kind, capabilities: Capabilities | None,

@@ -81,7 +81,7 @@ def _runnable(kind: str, notes: tuple[str, ...], backend: Any, target: Any
     chosen, refusal = fallback(kind, backend.runs, target.capabilities, target.name)
     if refusal is None:
         return kind, notes
-    return chosen, (f"drafter: {chosen} ({kind} cannot run here: {refusal.reason})",
+    return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})",
                     *notes[1:])
 
 

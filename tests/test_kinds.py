@@ -222,8 +222,8 @@ def test_auto_on_a_target_that_cannot_speculate_falls_back_to_plain_and_says_why
         tmp_path, monkeypatch):
     loaded = load_engine(stuck_engine_args(tmp_path, "auto", monkeypatch))
     assert loaded.drafter_name == "none" and loaded.engine.drafter.name == "none"
-    assert loaded.notes[0] == ("drafter: none (chain cannot run here: tiny-hybrid cannot "
-                               f"speculate: {STUCK.reason})")
+    assert loaded.notes[0] == ("drafter: none (not chain: tiny-hybrid cannot speculate: "
+                               f"{STUCK.reason})")
     assert loaded.notes[1:] == ("not eagle3: none here",)
 
 
@@ -241,3 +241,13 @@ def test_auto_falls_back_to_lookup_where_only_its_choice_cannot_run():
     assert kinds.fallback("eagle3", runs_of("torch"), runs_of("torch").capabilities) == \
         ("eagle3", None)
     assert kinds.fallback("ngram", None, STUCK) == ("none", check("ngram", capabilities=STUCK))
+
+
+def test_auto_takes_lookup_chains_where_the_target_verifies_chains_only():
+    chains = Capabilities(hidden_states=True, tree_attention=False,
+                          reason="layers of type ['linear_attention'] keep one recurrent state")
+    kind, refusal = kinds.fallback("lookahead", runs_of("torch"), chains)
+    assert kind == "ngram" and "recurrent state" in refusal.reason
+    assert check("eagle3:tree", runs_of("torch"), capabilities=chains, target="t").message == (
+        "drafter 'eagle3:tree' drafts trees, and t verifies chains only: layers of type "
+        "['linear_attention'] keep one recurrent state: drop --tree to draft eagle3 chains")

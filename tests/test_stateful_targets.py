@@ -152,3 +152,21 @@ def test_sampled_speculation_on_a_hybrid_target_follows_the_target():
     drafter = DraftModelDrafter(target, model("qwen3_5_text", seed=3))
     counts = second_tokens(target, PROMPT, drafter, n)
     assert_follows(counts, second_token_law(target, PROMPT) * n)
+
+
+@pytest.mark.parametrize("family", ("qwen3_5_text", "gemma3_text"))
+def test_loaded_in_bfloat16_a_long_prompt_and_wide_verifies_equal_plain(family, tmp_path):
+    """Through the backend's load: padded 1-row forwards, prompts and verifies split into
+    the exact row blocks (16 rows here), each block recorded as its own forward's part."""
+    from tests.tiny import save_hf_folder
+
+    folder = save_hf_folder(model(family), tmp_path / family)
+    target = TorchBackend().load(str(folder), device="cpu", dtype="bfloat16")
+    assert target.min_rows == 2 and target.row_block < 20
+    prompt = (PROMPT * 3)[:40]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine = SpecEngine(target)
+    plain_ids = list(engine.generate(prompt, params, drafter=None, k=1))[-1].token_ids
+    done = list(engine.generate(prompt, params, drafter=NgramDrafter(), k=20))[-1]
+    assert done.error is None and done.stats.drafted > 20
+    assert done.token_ids == plain_ids

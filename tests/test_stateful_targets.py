@@ -1,6 +1,7 @@
 """Targets that keep more than a KV cache speculate losslessly on torch: hybrid recurrent ones
 (Qwen3.5's and Qwen3-Next's Gated DeltaNet, NemotronH's Mamba-2) and sliding-window ones
-(Gemma 3, a windowed Mistral), prompt and reply longer than the window. A verify keeps a
+(Gemma 3, a windowed Mistral, gpt-oss with its attention sinks), prompt and reply longer
+than the window. A verify keeps a
 state per row, and keep selects the accepted one without a second forward."""
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def decode(family: str, drafter, k: int) -> tuple[int, ...]:
 @pytest.mark.parametrize("family", (*WINDOWED, *RECURRENT))
 def test_plain_decoding_equals_transformers_generate_on_its_own_attention(family):
     hf = model(family).hf
-    hf.set_attn_implementation("sdpa")
+    hf.set_attn_implementation("eager")  # gpt-oss's sinks: eager is the one it declares
     try:
         ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
     finally:
@@ -170,3 +171,17 @@ def test_loaded_in_bfloat16_a_long_prompt_and_wide_verifies_equal_plain(family, 
     done = list(engine.generate(prompt, params, drafter=NgramDrafter(), k=20))[-1]
     assert done.error is None and done.stats.drafted > 20
     assert done.token_ids == plain_ids
+
+
+def test_attention_sinks_are_computed_row_wise_as_transformers_eager_computes_them():
+    hf = model("gpt_oss").hf
+    ids = torch.tensor([[int(t) for t in np.arange(MAX_VERIFY_ROWS + 12) % 40 + 2]])
+    with torch.inference_mode():
+        ours = [hf(input_ids=ids[:, :n]).logits for n in (5, ids.shape[1])]
+        hf.set_attn_implementation("eager")
+        try:
+            theirs = [hf(input_ids=ids[:, :n]).logits for n in (5, ids.shape[1])]
+        finally:
+            hf.set_attn_implementation(attention.register())
+    for mine, eager in zip(ours, theirs):
+        torch.testing.assert_close(mine, eager, rtol=0, atol=1e-5)

@@ -62,10 +62,20 @@ def _mistral() -> Any:
                          sliding_window=WINDOW)
 
 
+def _gpt_oss() -> Any:
+    from transformers import GptOssConfig
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 8}
+    return GptOssConfig(**_COMMON, intermediate_size=32, num_hidden_layers=2,
+                        sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                        layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters=yarn)
+
+
 CONFIGS = {"qwen3_5_text": _qwen3_5, "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
-           "gemma3_text": _gemma3, "mistral": _mistral}
+           "gemma3_text": _gemma3, "mistral": _mistral, "gpt_oss": _gpt_oss}
 RECURRENT = ("qwen3_5_text", "qwen3_next", "nemotron_h")
-WINDOWED = ("gemma3_text", "mistral")
+WINDOWED = ("gemma3_text", "mistral", "gpt_oss")
 
 
 def tiny_family(family: str, seed: int = 1, attention: str | None = None) -> TorchModel:
@@ -79,4 +89,7 @@ def tiny_family(family: str, seed: int = 1, attention: str | None = None) -> Tor
     # sharper logits make random models produce varied, non-trivial greedy sequences
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(8.0)
+        for name, weight in hf.named_parameters():
+            if name.endswith("sinks"):  # gpt-oss's: drawn large enough to matter
+                weight.normal_(0.0, 1.0)
     return TorchModel(hf, tiny_tokenizer(), name=f"tiny-{family}-{seed}", device="cpu")

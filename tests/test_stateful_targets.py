@@ -185,3 +185,36 @@ def test_attention_sinks_are_computed_row_wise_as_transformers_eager_computes_th
             hf.set_attn_implementation(attention.register())
     for mine, eager in zip(ours, theirs):
         torch.testing.assert_close(mine, eager, rtol=0, atol=1e-5)
+
+
+def _recurrent_bytes(session) -> int:
+    """What a torch session's recurrent layers hold now: states, recorded slots, conv input."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    tensors = []
+    for layer in session._cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            tensors += [layer.recurrent_states[0], layer.conv_states[0],
+                        *layer.recurrent_states_history[0]]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_the_counted_state_and_slots_are_what_a_verify_holds(family):
+    from app.catalogue.states import stream_state
+
+    target, k = model(family), 4
+    counted = stream_state(target.hf.config.to_dict())
+    assert counted.layers
+    session = target.start()
+    session.forward(PROMPT)
+    session.rewind(len(PROMPT))  # commits: what plain decoding keeps between tokens
+    assert _recurrent_bytes(session) == counted.bytes(dtype_bytes=4)
+    session.forward(PROMPT[:k + 1], n_logits=k + 1)  # a verify of k drafts, before keep
+    assert _recurrent_bytes(session) == counted.bytes(4) + counted.slot_bytes(k, 4)
+
+
+def test_an_attention_only_model_counts_no_state():
+    from app.catalogue.states import stream_state
+
+    assert stream_state(model("gemma3_text").hf.config.to_dict()).bytes(2) == 0

@@ -1,8 +1,8 @@
 """Targets that keep more than a KV cache speculate losslessly on torch: hybrid recurrent ones
-(Qwen3.5's and Qwen3-Next's Gated DeltaNet, NemotronH's Mamba-2) and sliding-window ones
-(Gemma 3, a windowed Mistral, gpt-oss with its attention sinks), prompt and reply longer
-than the window. A verify keeps a
-state per row, and keep selects the accepted one without a second forward."""
+(the Gated DeltaNet of Qwen3.5, Qwen3.5-MoE and Qwen3-Next, NemotronH's Mamba-2) and
+sliding-window ones (Gemma 3, a windowed Mistral, gpt-oss with its attention sinks), prompt
+and reply longer than the window. A verify keeps a state per row, and keep selects the
+accepted one without a second forward."""
 
 from __future__ import annotations
 

@@ -32,6 +32,14 @@ def _qwen3_5() -> Any:
                              layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
+def _qwen3_5_moe() -> Any:
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(**_COMMON, **_LINEAR, num_hidden_layers=4,
+                                layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=16)
+
+
 def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig
     return Qwen3NextConfig(**_COMMON, **_LINEAR, intermediate_size=64, num_hidden_layers=4,
@@ -72,9 +80,10 @@ def _gpt_oss() -> Any:
                         rope_parameters=yarn)
 
 
-CONFIGS = {"qwen3_5_text": _qwen3_5, "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
-           "gemma3_text": _gemma3, "mistral": _mistral, "gpt_oss": _gpt_oss}
-RECURRENT = ("qwen3_5_text", "qwen3_next", "nemotron_h")
+CONFIGS = {"qwen3_5_text": _qwen3_5, "qwen3_5_moe_text": _qwen3_5_moe, "qwen3_next": _qwen3_next,
+           "nemotron_h": _nemotron_h, "gemma3_text": _gemma3, "mistral": _mistral,
+           "gpt_oss": _gpt_oss}
+RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h")
 WINDOWED = ("gemma3_text", "mistral", "gpt_oss")
 
 

@@ -218,3 +218,23 @@ def test_an_attention_only_model_counts_no_state():
     from app.catalogue.states import stream_state
 
     assert stream_state(model("gemma3_text").hf.config.to_dict()).bytes(2) == 0
+
+
+@pytest.mark.parametrize("family", ("qwen3_5_text", "nemotron_h"))
+def test_the_planner_counts_a_hybrids_kv_on_its_attention_layers_and_its_state_slots(
+        family, tmp_path):
+    from app.catalogue import planner
+    from app.catalogue.sizing import _kv_bytes
+    from app.catalogue.states import stream_state
+    from tests.tiny import save_hf_folder
+
+    target = model(family)
+    folder = save_hf_folder(target, tmp_path / family)
+    plan = planner.plan(str(folder), "torch", "cpu", memory=2**34)
+    fit, width = plan.fit, _kv_bytes(plan.fit.dtype)
+    stream = stream_state(target.hf.config.to_dict())
+    assert fit.target_kv_per_token == 1 * 2 * 8 * 2 * width  # one attention layer of four
+    assert fit.state_bytes == stream.bytes(width) > 0
+    assert fit.slot_bytes == stream.slot_bytes(plan.choice.k, width) > 0
+    rows = dict(fit.rows())
+    assert rows["state per stream"].endswith(f"slots ({plan.choice.k + 1})")

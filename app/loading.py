@@ -12,7 +12,7 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from app.drafters.kinds import require
+from app.drafters.kinds import fallback, require
 from backends import load_backend, runs_of
 from backends.extras import files_of
 
@@ -57,6 +57,8 @@ def load_engine(args: Any) -> Loaded:
     elif drafter_kind == "auto":
         drafter_kind, draft_path, notes = auto_drafter(args.target, backend.name, args.device,
                                                        args.draft)
+    if args.drafter == "auto":
+        drafter_kind, notes = _runnable(drafter_kind, notes, backend, target)
     history = open_history(args, target)
     if drafter_kind == "ngram" and history is not None and args.drafter == "auto":
         drafter_kind = "suffix"  # model-free lookup that also reads past replies
@@ -87,6 +89,17 @@ def open_history(args: Any, target: Any) -> Any:
     from app.store.cache_cli import bounds_of
 
     return history.open_history(target.tokenizer, bounds_of(args))
+
+
+def _runnable(kind: str, notes: tuple[str, ...], backend: Any, target: Any
+              ) -> tuple[str, tuple[str, ...]]:
+    """auto's kind where it runs on the loaded target, else its fallback; the first note (the
+    line surfaces show for auto) then says why."""
+    chosen, refusal = fallback(kind, backend.runs, target.capabilities, target.name)
+    if refusal is None:
+        return kind, notes
+    return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})",
+                    *notes[1:])
 
 
 def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:

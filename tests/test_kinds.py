@@ -197,3 +197,58 @@ def test_what_is_missing_is_named_where_the_backend_runs_the_kind():
     assert check("lookup+eagle", mlx, head_kind="eagle3").message == (
         "drafter 'lookup+eagle' needs a eagle head, and this pair's head is eagle3: pick eagle3")
     assert check("unknown9").message.startswith("unknown drafter 'unknown9': use one of none,")
+
+
+STUCK = Capabilities(rewind=False, hidden_states=True,
+                     reason="layers of type ['linear_attention'] keep a state that cannot be "
+                            "rewound")
+
+
+def stuck_engine_args(tmp_path, drafter: str, monkeypatch) -> SimpleNamespace:
+    """load_engine's flags for a target that cannot speculate, on a backend that loads it."""
+    import app.loading
+
+    target = FakeModel()
+    target.name, target.capabilities = "tiny-hybrid", STUCK
+    backend = SimpleNamespace(name="torch", runs=runs_of("torch"), load=lambda *_, **__: target)
+    monkeypatch.setattr(app.loading, "load_backend", lambda _name: backend)
+    monkeypatch.setattr(app.loading, "auto_drafter",
+                        lambda *_: ("chain", "/drafts/d", ("drafter: draft d (the planner's)",
+                                                           "not eagle3: none here")))
+    return SimpleNamespace(k=4, target=str(tmp_path), drafter=drafter, draft=None,
+                           backend="torch", device="cpu", dtype="float32", tree=False)
+
+
+def test_auto_on_a_target_that_cannot_speculate_falls_back_to_plain_and_says_why(
+        tmp_path, monkeypatch):
+    loaded = load_engine(stuck_engine_args(tmp_path, "auto", monkeypatch))
+    assert loaded.drafter_name == "none" and loaded.engine.drafter.name == "none"
+    assert loaded.notes[0] == ("drafter: none (not chain: tiny-hybrid cannot speculate: "
+                               f"{STUCK.reason})")
+    assert loaded.notes[1:] == ("not eagle3: none here",)
+
+
+def test_an_explicit_kind_on_a_target_that_cannot_speculate_is_refused_with_reason_and_fix(
+        tmp_path, monkeypatch):
+    with pytest.raises(SpecdeckError, match=r"tiny-hybrid cannot speculate: layers of type "
+                                            r"\['linear_attention'\].*: use --drafter none"):
+        load_engine(stuck_engine_args(tmp_path, "ngram", monkeypatch))
+
+
+def test_auto_falls_back_to_lookup_where_only_its_choice_cannot_run():
+    no_hidden = Capabilities(rewind=True, hidden_states=False, reason="")
+    assert kinds.fallback("eagle3", runs_of("torch"), no_hidden) == \
+        ("ngram", check("eagle3", runs_of("torch"), capabilities=no_hidden))
+    assert kinds.fallback("eagle3", runs_of("torch"), runs_of("torch").capabilities) == \
+        ("eagle3", None)
+    assert kinds.fallback("ngram", None, STUCK) == ("none", check("ngram", capabilities=STUCK))
+
+
+def test_auto_takes_lookup_chains_where_the_target_verifies_chains_only():
+    chains = Capabilities(hidden_states=True, tree_attention=False,
+                          reason="layers of type ['linear_attention'] keep one recurrent state")
+    kind, refusal = kinds.fallback("lookahead", runs_of("torch"), chains)
+    assert kind == "ngram" and "recurrent state" in refusal.reason
+    assert check("eagle3:tree", runs_of("torch"), capabilities=chains, target="t").message == (
+        "drafter 'eagle3:tree' drafts trees, and t verifies chains only: layers of type "
+        "['linear_attention'] keep one recurrent state: drop --tree to draft eagle3 chains")

@@ -24,6 +24,7 @@ from app.core.engine import SpecEngine  # noqa: E402
 from app.core.sampling import warp  # noqa: E402
 from app.core.types import Draft, SamplingParams, SpecdeckError  # noqa: E402
 from app.core.verify import verify_sampled  # noqa: E402
+from app.drafters import build_drafter  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends import load_backend  # noqa: E402
 from backends.gguf import converted_path, record_source  # noqa: E402
@@ -156,21 +157,30 @@ def _tiny_mamba(folder: Path) -> Path:
     return folder
 
 
-def _tiny_sliding_llama(folder: Path) -> Path:
-    save_hf_folder(tiny_llama(1), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.mark.parametrize("build, cache_type", [(_tiny_mamba, "ArraysCache"),
-                                               (_tiny_sliding_llama, "RotatingKVCache")])
-def test_a_cache_that_cannot_be_trimmed_is_refused_at_load_naming_its_type(tmp_path, build,
-                                                                           cache_type):
-    folder = build(tmp_path / "m")
-    with pytest.raises(SpecdeckError, match=f"cannot be cut back.*{cache_type}.*--backend torch"):
+def test_a_recurrent_cache_is_refused_at_load_naming_its_type(tmp_path):
+    folder = _tiny_mamba(tmp_path / "m")
+    with pytest.raises(SpecdeckError, match="cannot be cut back.*ArraysCache.*--backend torch"):
         MlxBackend().load(str(folder), device="cpu")
+
+
+def test_gemma3_decodes_plainly_past_its_window_as_torch_does_and_refuses_drafts(tmp_path):
+    """Gemma 3's rotating window: plain decoding (a second prompt sharing the first's prefix
+    replays it), and speculation refused with the reason."""
+    from backends.torch import attention
+    from tests.tiny_families import WINDOW, tiny_family
+
+    torch_target = tiny_family("gemma3_text", 2, attention=attention.register())
+    mlx_target = mlx_twin(torch_target, tmp_path / "gemma3")
+    prompt, n = PROMPT * 2, 3 * WINDOW
+    engine = SpecEngine(mlx_target)
+    for ask in (prompt, prompt[:-3] + [4, 4]):
+        assert greedy(mlx_target, ask, n) == greedy(torch_target, ask, n)
+        done = list(engine.generate(ask, SamplingParams(max_new_tokens=n)))[-1]
+        assert done.error is None and list(done.token_ids) == greedy(torch_target, ask, n)
+    assert not mlx_target.capabilities.rewind
+    with pytest.raises(SpecdeckError, match="cannot speculate: its sliding-window layers keep "
+                                            "mlx-lm's rotating cache.*--backend torch"):
+        build_drafter("ngram", mlx_target, backend=MlxBackend())
 
 
 # --- hidden states -------------------------------------------------------------------------

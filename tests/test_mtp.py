@@ -32,7 +32,7 @@ from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.heads.mtp_format import detect_mtp, read_layout  # noqa: E402
-from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.heads.mtp import load_mtp_drafter  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
@@ -275,20 +275,11 @@ def test_an_mlx_target_without_mtp_layers_is_refused_naming_another_drafter(mlx_
         build_drafter("mtp", mlx_target, backend=backend_of("mlx"))
 
 
-def test_a_target_with_recurrent_layers_is_refused_with_that_reason():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def test_a_recurrent_target_without_mtp_layers_is_refused_mtp_and_runs_lookup():
+    from tests.tiny_families import tiny_family
 
-    config = Qwen3NextConfig(vocab_size=48, hidden_size=HIDDEN, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, layer_types=["linear_attention", "full_attention"],
-                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                             shared_expert_intermediate_size=16, linear_num_key_heads=2,
-                             linear_num_value_heads=2, linear_key_head_dim=8,
-                             linear_value_head_dim=8, max_position_embeddings=256)
-    target = TorchModel(Qwen3NextForCausalLM(config), tiny_tokenizer(48), name="tiny-next",
-                        device="cpu")
-    for kind in ("mtp", "ngram", "lookahead"):
-        with pytest.raises(SpecdeckError, match=r"tiny-next cannot speculate: layers of type "
-                                                r"\['linear_attention'\] keep a state"):
-            build_drafter(kind, target, backend=TorchBackend())
-    assert build_drafter("none", target).name == "none"
+    target = tiny_family("qwen3_next")
+    with pytest.raises(SpecdeckError, match=f"{target.name} has no native MTP layers"):
+        build_drafter("mtp", target, backend=TorchBackend())
+    for kind in ("ngram", "lookahead", "none"):
+        assert build_drafter(kind, target, backend=TorchBackend()).name == kind

@@ -198,15 +198,17 @@ class _Context:
         if info.path is not None and (self.backend == "mlx" or self.dtype == "gguf"):
             weights = _disk_bytes(info.path)  # kept as it is on disk
         return Sizing(weights, kv_bytes_per_token(info.arch, _kv_bytes(self.dtype)),
-                      info.arch.context)
+                      info.arch.context, info.arch.stream.bytes(_kv_bytes(self.dtype)))
 
     def fit(self, option: Option) -> Fit:
         drafter = drafter_sizing(option.kind, option.model, self.info.arch, self.backend,
                                  self.dtype)
         verify = verify_state(option.kind, option.k, self.info.arch,
                               option.model.arch if option.model else None, self.dtype)
+        slots = self.info.arch.stream.slot_bytes(option.k, _kv_bytes(self.dtype)) \
+            if option.kind != "none" else 0
         return fit(self.target_sizing(), drafter, self.memory, self.context, self.backend,
-                   self.device, self.dtype, verify)
+                   self.device, self.dtype, verify, slots)
 
     def problem(self, option: Option) -> str:
         """Why this drafter cannot be used here, or '' when it can."""

@@ -28,6 +28,7 @@ import yaml
 
 from app import drafters
 from app.catalogue.shipped import shipped_path
+from app.catalogue.states import StreamState
 from app.core.types import SpecdeckError
 from app.paths import home
 
@@ -58,6 +59,8 @@ class Arch:
     vocab: int
     context: int
     mtp_layers: int = 0  # native multi-token-prediction layers (num_nextn_predict_layers)
+    kv_layers: int = 0  # the layers that keep KV (a hybrid's attention layers); 0: all
+    stream: StreamState = StreamState(())  # a hybrid's recurrent layers, per stream
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Sizing:
     weights_bytes: int
     kv_bytes_per_token: int
     context_limit: int  # the context the model was trained for
+    state_bytes: int = 0  # a hybrid's recurrent state per stream, beside its KV cache
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class Fit:
     # captured hidden states (within RESERVE, so not in memory_bytes)
     verify_rows: int = 0
     verify_bytes: int = 0
+    # a hybrid target's recurrent state per stream, and the k + 1 state slots a verify adds
+    # to it (app/catalogue/states.py): both counted per stream in streams_spec
+    state_bytes: int = 0
+    slot_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -94,11 +99,15 @@ class Fit:
         weights, the verify state, KV per token of each model, servable context."""
         verify = (f"{_size(self.verify_bytes)} ({self.verify_rows} rows)" if self.verify_rows
                   else "-")
+        # a hybrid target's recurrent state and slots, beside KV per token
+        state = [("state per stream", f"{_size(self.state_bytes)} + {_size(self.slot_bytes)} "
+                                      f"slots ({self.verify_rows})")] if self.state_bytes else []
         return [("target weights", _size(self.target_weights_bytes)),
                 ("drafter weights", _size(self.drafter_weights_bytes)),
                 ("verify state", verify),
                 ("KV per token", f"{_kib(self.target_kv_per_token)} target + "
                                  f"{_kib(self.drafter_kv_per_token)} drafter"),
+                *state,
                 ("servable context", f"{self.max_context_plain} plain / "
                                      f"{self.max_context_spec} with the drafter")]
 
@@ -122,8 +131,10 @@ def parse_bytes(text: str) -> int:
 
 
 def kv_bytes_per_token(arch: Arch, dtype_bytes: int, layers: int | None = None) -> int:
-    """K and V for one token across the layers: layers x kv heads x head dim x 2 x size."""
-    return (arch.layers if layers is None else layers) * arch.kv_heads * arch.head_dim * 2 \
+    """K and V for one token across the layers that keep KV (a hybrid's attention layers):
+    layers x kv heads x head dim x 2 x size."""
+    every = arch.kv_layers or arch.layers
+    return (every if layers is None else layers) * arch.kv_heads * arch.head_dim * 2 \
         * dtype_bytes
 
 
@@ -138,9 +149,10 @@ def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
 
 def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
         backend: str = "", device: str = "", dtype: str = "",
-        verify: tuple[int, int] = (0, 0)) -> Fit:
+        verify: tuple[int, int] = (0, 0), slots: int = 0) -> Fit:
     """Servable context and concurrent streams of `context` tokens, plain and speculative;
-    verify: (rows, bytes) of the verify state (`verify_state`)."""
+    verify: (rows, bytes) of the verify state (`verify_state`); slots: a hybrid target's
+    state slots per stream (k + 1 states)."""
     drafter = drafter or Sizing(0, 0, target.context_limit)
     runtime = RUNTIME_BYTES.get(backend, 0)
     usable = int(memory * (1 - RESERVE)) - runtime
@@ -152,8 +164,8 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
     def longest(room: int, per_token: int, cap: int) -> int:
         return max(0, min(cap, room // per_token)) if room > 0 else 0
 
-    def streams(room: int, per_token: int) -> int:
-        return max(0, room // (per_token * context)) if room > 0 else 0
+    def streams(room: int, per_token: int, state: int) -> int:
+        return max(0, room // (per_token * context + state)) if room > 0 else 0
 
     return Fit(backend=backend, device=device, dtype=dtype, available_bytes=memory,
                usable_bytes=usable, runtime_bytes=runtime,
@@ -164,9 +176,10 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
                max_context_plain=longest(room_plain, target.kv_bytes_per_token,
                                          target.context_limit),
                max_context_spec=longest(room_spec, kv_spec, limit), context=context,
-               streams_plain=streams(room_plain, target.kv_bytes_per_token),
-               streams_spec=streams(room_spec, kv_spec), verify_rows=verify[0],
-               verify_bytes=verify[1])
+               streams_plain=streams(room_plain, target.kv_bytes_per_token, target.state_bytes),
+               streams_spec=streams(room_spec, kv_spec, target.state_bytes + slots),
+               verify_rows=verify[0], verify_bytes=verify[1], state_bytes=target.state_bytes,
+               slot_bytes=slots)
 
 
 def verify_state(kind: str, k: int, target_arch: Arch, drafter_arch: Arch | None,
@@ -211,7 +224,8 @@ def model_sizing(model: ModelSpec, backend: str, dtype: str, draft: bool = False
     weights = weights_bytes(model.params, backend, dtype, fmt, model.download_bytes(backend)[0])
     if draft and dtype in ("gguf", "w4a8"):
         weights += int(model.arch.vocab * model.arch.hidden * _DTYPE_BYTES["w4a8"])
-    return Sizing(weights, kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context)
+    return Sizing(weights, kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context,
+                  model.arch.stream.bytes(_kv_bytes(dtype)))
 
 
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,

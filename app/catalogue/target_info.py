@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.catalogue.registry import Arch, Catalogue, ModelSpec, load_catalogue
+from app.catalogue.states import stream_state
 from app.core.types import SpecdeckError
 from app.drafters.own_layers import mtp_layers
 
@@ -75,12 +76,22 @@ def arch_from_config(config: dict[str, Any]) -> Arch:
     c = config.get("text_config") or config
     heads = int(c["num_attention_heads"])
     hidden = int(c["hidden_size"])
-    return Arch(layers=int(c["num_hidden_layers"]), hidden=hidden, heads=heads,
+    # NemotronH lists its blocks (layers_block_type) instead of counting them
+    layers = c.get("num_hidden_layers") or len(c.get("layers_block_type") or ()) or \
+        c["num_hidden_layers"]
+    return Arch(layers=int(layers), hidden=hidden, heads=heads,
                 kv_heads=int(c.get("num_key_value_heads") or heads),
                 head_dim=int(c.get("head_dim") or hidden // heads),
                 vocab=int(c["vocab_size"]),
                 context=int(c.get("max_position_embeddings") or 4096),
-                mtp_layers=mtp_layers(config))
+                mtp_layers=mtp_layers(config), kv_layers=_kv_layers(c),
+                stream=stream_state(config))
+
+
+def _kv_layers(c: dict[str, Any]) -> int:
+    """The layers that keep KV where layer types are listed (0: every layer does)."""
+    types = c.get("layer_types") or c.get("layers_block_type") or []
+    return sum(t in ("full_attention", "sliding_attention", "attention") for t in types)
 
 
 def _local_numbers(path: Path) -> tuple[Arch, int]:

@@ -25,7 +25,7 @@ from app.core.types import Draft, SamplingParams
 class Capabilities:
     """What a loaded model's session supports; checked at load, never discovered mid-run."""
 
-    rewind: bool = True  # attention-only KV caches can be cut; recurrent state cannot
+    rewind: bool = True  # KV is cut; a window or a recurrent state needs its past recorded
     hidden_states: bool = False  # can capture chosen layers' hidden states for heads
     tree_attention: bool = False  # Session.forward takes `parents` (tree drafts)
     reason: str = ""  # why a capability is missing, named in refusals

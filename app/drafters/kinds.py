@@ -6,7 +6,7 @@ states, tree attention), whether prompt lookup goes first, whether it drafts tre
 downloads a model of its own, and its description; and `check`: can a kind run here (against
 what a backend declares it runs, app/core/protocols.py's `Runs`), and if not, why and what
 the fix is. The factory, every surface, the planner and the backends ask `check`, so a
-refusal reads the same everywhere.
+refusal reads the same everywhere; `fallback`: what --drafter auto runs instead.
 Must not know: how a drafter is built (the factory and the backends build them), array
 libraries, surfaces (each passes what it has at hand: a loaded draft model, a head, a target's
 capabilities).
@@ -34,6 +34,7 @@ REFERENCE = "torch"  # the backend that builds every kind (a test holds it to th
 # or nothing
 OWN, SHIPPED, DRAFT, FREE = "own layers", "shipped", "draft model", "no model"
 PER_DRAFTER_LAYER = 0  # captures: one target layer per drafter layer (DFlash, DSpark)
+FALLBACKS = ("ngram", "none")  # what auto runs, first that runs, where its choice cannot
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def check(kind: str, runs: Runs | None = None, *, capabilities: Capabilities | N
     capabilities = capabilities or (runs.capabilities if runs else None)
     # what the backend lacks first: no draft model or head makes it run there
     return (_rewinds(kind, record, capabilities, target)
-            or _backend(kind, record, runs, capabilities, tree)
+            or _backend(kind, record, runs, capabilities, tree, target)
             or _inputs(kind, record, has_draft, has_head, head_kind, mtp_layers, target))
 
 
@@ -182,8 +183,10 @@ def chains_only(kind: str, runs: Runs, capabilities: Capabilities | None = None)
     record = BY_NAME[split(kind)[0]]
     if record.trees != ALWAYS or (capabilities or runs.capabilities).tree_attention:
         return ""
-    return f"{runs.backend} verifies chains only: {record.name}'s tree would shrink to its " \
-           "first chain"
+    reason = capabilities.reason if capabilities is not None and capabilities.reason else ""
+    why = f" ({reason})" if reason else ""
+    return f"{runs.backend} verifies chains only{why}: {record.name}'s tree would shrink to " \
+           "its first chain"
 
 
 def require(kind: str, runs: Runs | None = None, **at_hand: Any) -> None:
@@ -200,6 +203,22 @@ def require_built(kind: str, runs: Runs, **at_hand: Any) -> None:
     if kind not in runs.builds:
         raise SpecdeckError(f"the {runs.backend} backend builds {', '.join(sorted(runs.builds))}"
                             f", not {kind!r}: app.drafters.build_drafter builds every kind")
+
+
+def fallback(kind: str, runs: Runs | None, capabilities: Capabilities | None,
+             target: str = "this target") -> tuple[str, Refusal | None]:
+    """--drafter auto's last word on a loaded target: (kind, None) when kind runs there, else
+    the first of FALLBACKS that does and kind's refusal, so auto is never an error. A kind
+    that always drafts trees falls back too where the target verifies chains only."""
+    refusal = check(kind, runs, capabilities=capabilities, target=target)
+    shrinks = chains_only(kind, runs, capabilities) if runs and refusal is None else ""
+    if shrinks:  # it would run, as its tree's first chain: lookup drafts that chain better
+        refusal = Refusal(kind, shrinks, "")
+    if refusal is None:
+        return kind, None
+    runnable = [k for k in FALLBACKS
+                if check(k, runs, capabilities=capabilities, target=target) is None]
+    return (runnable or ["none"])[0], refusal
 
 
 def _rewinds(kind: str, record: Kind, capabilities: Capabilities | None,
@@ -232,7 +251,7 @@ def _inputs(kind: str, record: Kind, has_draft: bool | None, has_head: bool | No
 
 
 def _backend(kind: str, record: Kind, runs: Runs | None, capabilities: Capabilities | None,
-             tree: bool) -> Refusal | None:
+             tree: bool, target: str) -> Refusal | None:
     name = runs.backend if runs else "this"
     if record.reads_hidden_states and capabilities is not None \
             and not capabilities.hidden_states:
@@ -247,10 +266,11 @@ def _backend(kind: str, record: Kind, runs: Runs | None, capabilities: Capabilit
                        f"drop --tree to draft {record.name} chains, or use --backend "
                        f"{REFERENCE} for trees")
     if tree and capabilities is not None and not capabilities.tree_attention:
-        return Refusal(kind, f"drafter {kind!r} drafts trees with tree attention, which the "
-                             f"{name} backend lacks (it verifies chains)",
-                       f"drop --tree to draft {record.name} chains, or use --backend "
-                       f"{REFERENCE} for trees")
+        elsewhere = "" if name == REFERENCE else f", or use --backend {REFERENCE} for trees"
+        why = (f"{target} verifies chains only: {capabilities.reason}" if capabilities.reason
+               else f"the {name} backend lacks tree attention (it verifies chains)")
+        return Refusal(kind, f"drafter {kind!r} drafts trees, and {why}",
+                       f"drop --tree to draft {record.name} chains{elsewhere}")
     return None
 
 

@@ -62,6 +62,13 @@ def resolve_dtype(dtype: str, device: mx.Device, stored: mx.Dtype) -> mx.Dtype:
     return _DTYPES[dtype]
 
 
+# why a windowed target decodes plainly on MLX: mlx-lm's RotatingKVCache overwrites the rows
+# past its window, so rejected drafts could not be cut back (torch speculates on them)
+ROTATING = ("its sliding-window layers keep mlx-lm's rotating cache, which overwrites the "
+            "rows a rejected draft would need back on MLX (plain decoding there; --backend "
+            "torch speculates)")
+
+
 class MlxSession:
     """One mlx-lm prompt cache; forward appends a chain or a tree, keep and rewind cut it back.
 
@@ -157,12 +164,23 @@ class MlxSession:
     def rewind(self, length: int) -> None:
         if length < 0 or length > self.length:
             raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
+        if any(c.offset > length and not c.is_trimmable() for c in self._cache):
+            self._replay(length)
+            return
         # per layer: a forward interrupted by an exception can leave layers of unequal length
         for cache in self._cache:
             extra = cache.offset - length
             if extra > 0:
                 cache.trim(extra)
         del self._ids[length:]
+
+    def _replay(self, length: int) -> None:
+        """The cache of the first `length` tokens, computed again: a rotating window that
+        filled has overwritten what a cut back would need (a new prompt sharing a prefix)."""
+        kept = list(self.tokens[:length])
+        self._cache, self._ids = make_prompt_cache(self._model.net), []
+        if kept:
+            mx.eval(self.logits(kept))
 
     @contextmanager
     def _recording(self, capture: Sequence[int]) -> Iterator[dict[int, list[mx.array]]]:
@@ -202,8 +220,11 @@ class MlxModel:
         self.dtype = _describe_dtype(net, config)
         self.compute_dtype = _stored_dtype(net)  # the activations' (a tree mask's) dtype
         why_not = mlx_tree.unsupported(net)
-        self.capabilities = Capabilities(rewind=True, hidden_states=True,
-                                         tree_attention=not why_not, reason=why_not)
+        rotating = any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(net))
+        self.capabilities = (Capabilities(rewind=False, hidden_states=True, reason=ROTATING)
+                             if rotating else
+                             Capabilities(rewind=True, hidden_states=True,
+                                          tree_attention=not why_not, reason=why_not))
         self.vocab_size = int(self.start().logits([0]).shape[-1])  # rows of the output layer
 
     def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> MlxSession:
@@ -258,15 +279,16 @@ class MlxBackend:
         return build(BUILDERS, "backends.mlx.builders", request)
 
 def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
-    """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters.
+    """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters (or writes as
+    layer_types).
 
     Without them mlx-lm silently falls back to its default rope_theta (10000 for llama,
     where SmolLM2 needs 100000) and produces wrong logits.
     """
+    fixes = _window_pattern(config)
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict) or "rope_theta" in config:
-        return {}
-    fixes: dict[str, Any] = {}
+        return fixes
     if "rope_theta" in rope:
         fixes["rope_theta"] = rope["rope_theta"]
     if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
@@ -274,20 +296,32 @@ def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
     return fixes
 
 
+def _window_pattern(config: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window_pattern (every p-th layer full, mlx-lm's Gemma 3 reading) from the
+    layer_types transformers 5 writes instead; mlx-lm's default of 6 misreads other layouts."""
+    types = config.get("layer_types")
+    if not types or "sliding_window_pattern" in config or "full_attention" not in types:
+        return {}
+    period = types.index("full_attention") + 1
+    regular = all((t == "full_attention") == ((i + 1) % period == 0) for i, t in enumerate(types))
+    return {"sliding_window_pattern": period} if regular else {}
+
+
 def _refuse_untrimmable(net: Any, name: str) -> None:
-    """Speculative decoding and prompt reuse cut the cache back; refuse caches that cannot be."""
+    """Prompt reuse cuts the cache back; refuse caches that cannot be cut or replayed."""
     bad = sorted({type(c).__name__ for c in make_prompt_cache(net) if not _trimmable(c)})
     if bad:
         raise SpecdeckError(
             f"{name} keeps a cache that cannot be cut back to an earlier length ({', '.join(bad)}"
-            "): speculative decoding and prompt reuse need that. Recurrent or sliding-window "
-            "layers are not supported on MLX yet; use --backend torch or an attention-only model")
+            "): speculative decoding and prompt reuse need that. Recurrent layers are not "
+            "supported on MLX yet; use --backend torch or an attention-only model")
 
 
 def _trimmable(cache: Any) -> bool:
-    # a rotating (sliding-window) cache stops being trimmable once its window fills, mid-chat
-    return (cache.is_trimmable() and hasattr(cache, "offset")
-            and not isinstance(cache, RotatingKVCache))
+    # a rotating (sliding-window) cache stops being trimmable once its window fills, mid-chat;
+    # its session replays the tokens there instead (plain decoding only: ROTATING)
+    return isinstance(cache, RotatingKVCache) or (cache.is_trimmable()
+                                                  and hasattr(cache, "offset"))
 
 
 def _hook(layer: Any, index: int) -> None:

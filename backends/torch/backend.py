@@ -65,6 +65,8 @@ _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat1
 # row): padding every forward to 2 rows, with attention made row-invariant by
 # backends/torch/attention.py, makes plain and speculative decoding share numerics.
 BATCH_INVARIANT_ROWS = 2
+# layer types that keep nothing between tokens (NemotronH's MLP and MoE blocks)
+STATELESS = ("mlp", "moe")
 # int4's bits per weight: 4-bit codes plus a bf16 scale and zero per group of 32
 INT4_BITS = 5.0
 # whether auto may pick int4 for a source of INT4_BITS or fewer: measured in one bench run
@@ -309,12 +311,20 @@ def _eos_ids(hf: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def _capabilities(config: Any) -> Capabilities:
+    """Every target rewinds (a window or a recurrent state through its recorded past,
+    rewind.py); one that keeps a state or a window per token verifies chains only."""
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    recurrent = layer_types - {"full_attention", "sliding_attention"}
+    recurrent = layer_types - {"full_attention", "sliding_attention", *STATELESS}
+    windowed = "sliding_attention" in layer_types or (
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
     if recurrent:
-        return Capabilities(rewind=False, hidden_states=True,
-                            reason=f"layers of type {sorted(recurrent)} keep a state that cannot "
-                                   "be rewound")
+        return Capabilities(rewind=True, hidden_states=True, tree_attention=False,
+                            reason=f"layers of type {sorted(recurrent)} keep one recurrent "
+                                   "state per token, rewound along a chain (no tree)")
+    if windowed:
+        return Capabilities(rewind=True, hidden_states=True, tree_attention=False,
+                            reason="its sliding-window layers keep the last keys of one "
+                                   "chain, rewound along it (no tree)")
     return RUNS.capabilities  # 4D masks: trees
 
 

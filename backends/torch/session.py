@@ -18,12 +18,14 @@ from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer
 
 from app.core.protocols import Capabilities, TargetOutput
 from app.core.types import SpecdeckError, tree_parents
 from backends.torch import attention as torch_attention
 from backends.torch.decoder import LeanDecoder, chain_keys, tree_keys, tree_positions
 from backends.torch.output_heads import SubsetHead, logits_are_the_head_alone
+from backends.torch.rewind import PastRecorder, recorder_for
 
 # forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
 # prefills, split alike on the CPU and run in one call on a GPU
@@ -63,6 +65,7 @@ class Block:
     pad: int
     tree: tuple[int, ...] | None  # the whole forward's parents; None for a chain
     n_logits: int  # logits of the last rows, padding rows included
+    rows: int = 0  # the whole forward's real rows
 
 
 class TorchSession(ABC):
@@ -171,7 +174,7 @@ class TorchSession(ABC):
         pad = max(self.min_rows - len(rows), 0)
         keep = max(end - max(start, first_logit), 0)
         logits, hidden = self._run(Block(tuple(rows + rows[-1:] * pad), base, start, end, pad,
-                                         tree, keep + pad), want)
+                                         tree, keep + pad, len(real)), want)
         if pad:
             self._crop(self.length - pad)
         return logits[:keep], {i: out[:len(rows)] for i, out in hidden.items()}
@@ -238,21 +241,29 @@ class LeanSession(TorchSession):
 
 class HfSession(TorchSession):
     """A session on transformers' forward and a DynamicCache (GPUs, and models the lean
-    forward does not compute). Layers are hooked only while a capturing forward runs."""
+    forward does not compute). Layers are hooked only while a capturing forward runs. Where
+    the cache keeps a sliding window or a recurrent state, its past is recorded (rewind.py)
+    so verify rows can be cut back; a rewind below what was recorded replays the tokens."""
 
     def __init__(self, model: SessionModel, capture_layers: Sequence[int], exact: bool) -> None:
         super().__init__(model, capture_layers, exact)
-        self._cache = DynamicCache(config=model.hf.config)
+        self._cache, self._past = self._new_cache()
+
+    def _new_cache(self) -> tuple[DynamicCache, PastRecorder | None]:
+        cache = DynamicCache(config=self._model.hf.config)
+        return cache, recorder_for(cache)
 
     @property
     def length(self) -> int:
-        return self._cache.get_seq_length()
+        return self._past.length if self._past else self._cache.get_seq_length()
 
     def _may_own_head(self) -> bool:
         return logits_are_the_head_alone(self._model.hf.config)
 
     def _run(self, block: Block, want: frozenset[int]) -> tuple[torch.Tensor, Hidden]:
         device = self._model.device
+        if self._past is not None:
+            self._past.prepare(self.length, len(block.ids), block.rows, block.end == block.rows)
         ids = torch.tensor([list(block.ids)], dtype=torch.long, device=device)
         extra = {} if block.tree is None else _tree_inputs(block.tree, block.base, block.start,
                                                             block.end, block.pad, device)
@@ -282,6 +293,9 @@ class HfSession(TorchSession):
         return head(states[states.shape[0] - n_logits:])
 
     def _select(self, length: int, rows: list[int]) -> None:
+        if self._past is not None:  # capabilities refuse trees on these targets first
+            raise SpecdeckError(f"{self._model.name} keeps one window or state per token: "
+                                "it keeps chains only")
         index = torch.tensor([*range(length), *(length + r for r in rows)],
                              device=self._model.device)
         for layer in self._cache.layers:
@@ -289,11 +303,28 @@ class HfSession(TorchSession):
             layer.values = layer.values.index_select(-2, index)
 
     def _crop(self, length: int) -> None:
+        if self._past is not None:
+            if not self._past.crop(length):
+                self._replay(length)
+            return
         # per layer: a forward interrupted by an exception can leave layers of unequal length
         for layer in self._cache.layers:
+            if isinstance(layer, DummyLayer):
+                continue  # an MLP-only layer holds nothing
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
+
+    def _replay(self, length: int) -> None:
+        """The cache of the first `length` tokens, computed again: nothing was recorded that
+        far back (a new prompt sharing an older prefix). The ids stay as they were."""
+        ids, self._ids = self._ids, []
+        self._cache, self._past = self._new_cache()
+        try:
+            if length:
+                self.forward(ids[:length], n_logits=1)
+        finally:
+            self._ids = ids
 
 
 def _recorder(store: Hidden, layer: int) -> Callable[[Any, Any, Any], None]:

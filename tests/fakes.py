@@ -25,6 +25,9 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(97 + i % 26) for i in ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(97 + i): i for i in range(26)}
+
 
 class FakeSession:
     def __init__(self, model: FakeModel) -> None:

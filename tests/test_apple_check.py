@@ -19,7 +19,7 @@ from app.bench.verify_cost import format_costs, parse_rows, verify_costs
 from app.core.types import SpecdeckError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "apple_check.sh"
-MLX_WITH_A_DRAFT_MODEL = ("ngram", "ngram-tree", "draft", "chain", "lookahead")
+MLX_WITH_A_DRAFT_MODEL = ("ngram", "ngram-tree", "draft", "chain", "lookahead", "suffix")
 
 
 def run_script(env: dict[str, str], tmp_path: Path) -> tuple[int, dict, str]:
@@ -90,7 +90,7 @@ def test_bench_drafters_all_are_the_kinds_check_lets_run_on_mlx_with_what_is_giv
     args = argparse.Namespace(backend="mlx", pair=None, head=None)
     assert _usable_kinds(args, str(folder), str(folder), ("all",)) == MLX_WITH_A_DRAFT_MODEL
     assert _usable_kinds(args, str(folder), None, ("none", "all")) == \
-        ("none", "ngram", "ngram-tree", "lookahead")
+        ("none", "ngram", "ngram-tree", "lookahead", "suffix")
     head = argparse.Namespace(backend="torch", pair=None, head=str(folder))
     assert {"eagle3", "eagle3:tree", "lookup+eagle3", "medusa", "dflash"} <= \
         set(_usable_kinds(head, str(folder), None, ("all",)))

@@ -135,7 +135,7 @@ def test_a_pair_id_on_llamacpp_runs_the_pulled_gguf_with_a_drafter_it_can_run(sm
                  "--drafter", "auto", "--prompt", PROMPT, "--max-new-tokens", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert out["backend"] == "llamacpp" and out["drafter"] == "ngram"
+    assert out["backend"] == "llamacpp" and out["drafter"] == "suffix"  # with history on
 
 
 def test_bench_runs_llamacpp_beside_torch_each_checked_against_its_own_plain(smollm2_gguf,

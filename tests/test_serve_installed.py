@@ -285,7 +285,7 @@ def test_without_a_target_the_client_lists_installed_pairs_completes_and_gets_40
     *_, done = SpecEngine(target, NgramDrafter(), k=4).generate(
         ids, SamplingParams(max_new_tokens=24))
     assert reply.choices[0].text == done.text and done.text.strip()
-    assert reply.speculative["drafter"] == "ngram"
+    assert reply.speculative["drafter"] == "suffix"  # auto's lookup, with history on
 
 
 def test_two_pairs_that_do_not_fit_together_are_loaded_one_at_a_time(
@@ -333,4 +333,4 @@ def test_real_smollm2_installed_is_listed_and_answers_by_its_pair_id(
         with pytest.raises(openai.NotFoundError, match=f"specdeck pull {QWEN.replace('+', '.')}"):
             client.chat.completions.create(model=QWEN, messages=messages, max_tokens=4)
     assert reply.model == SMOL and reply.choices[0].message.content.strip()
-    assert reply.speculative["drafter"] == "ngram" and reply.usage.completion_tokens > 0
+    assert reply.speculative["drafter"] == "suffix" and reply.usage.completion_tokens > 0

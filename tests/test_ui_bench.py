@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # gr.Warning out
 
 QWEN, SMOL = "qwen2.5-coder-1.5b+0.5b", "smollm2-135m+eagle3"
 # what the Qwen pair (a target and its draft model, no head, no MTP layers) runs
-QWEN_RUNS = ["auto", "ngram", "ngram-tree", "draft", "chain", "lookahead"]
+QWEN_RUNS = ["auto", "ngram", "ngram-tree", "draft", "chain", "lookahead", "suffix"]
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +136,7 @@ def test_the_qwen_pair_is_offered_exactly_the_kinds_it_runs_and_shown_why_not_th
 def test_a_pair_with_an_eagle3_head_is_offered_that_head_and_not_the_other_heads():
     offer = drafter_offer(load_smol(Workbench()))
     assert offer.runnable == ("auto", "ngram", "ngram-tree", "eagle3", "eagle3:tree",
-                              "lookup+eagle3", "lookahead")
+                              "lookup+eagle3", "lookahead", "suffix")
     why = dict(offer.unavailable)
     assert why["medusa"] == ("drafter 'medusa' needs a medusa head, and this pair's head is "
                              "eagle3: pick eagle3")

@@ -31,6 +31,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the other live streams put in the step's forward (batched streams): their count
+    and their rows. A stream alone is Load()."""
+
+    streams: int = 0
+    rows: int = 0
+
+
 @dataclass
 class KController:
     """Running cost and acceptance estimates, and the k they recommend."""
@@ -66,6 +75,10 @@ class KController:
     # and their seconds: read_pays prices a prompt read with them
     read_rows: int = 0
     read_s: float = 0.0
+    # the other streams' share of the next step (batched streams): k is priced by what it
+    # adds to a forward they already fill, and by the tokens they commit meanwhile
+    load: Load = field(default_factory=Load)
+    off_by_load: bool = False  # the last choice was 0 where alone it would have drafted
     _reached: list[float] = field(default_factory=list)
     _accepted: list[float] = field(default_factory=list)
     _steps_off: int = 0
@@ -119,8 +132,24 @@ class KController:
         return max(self.draft_costs.values()) if self.draft_costs else None
 
     def step_seconds(self, k: int) -> float:
+        """A step's seconds at depth k, the other streams' rows in its forward."""
         draft = k * (self.draft_token_s or 0.0)
-        return draft + self.verify_cost(self.rows(k)) + self.overhead_s
+        return draft + self.verify_cost(self.load.rows + self.rows(k)) + self.overhead_s
+
+    def _rates(self) -> list[float]:
+        """Committed tokens per second of the step, every stream's, at each k: drafting
+        pays only where it adds more tokens than the slower forward costs the others."""
+        return [(self.load.streams + self.expected_tokens(k)) / self.step_seconds(k)
+                for k in range(self.k_max + 1)]
+
+    def _pays_alone(self) -> bool:
+        """Whether some k > 0 would pay for this stream alone (why a 0 under load is load's)."""
+        load, self.load = self.load, Load()
+        try:
+            rates = self._rates()
+        finally:
+            self.load = load
+        return max(rates[1:], default=0.0) >= rates[0] * (1 + self.pay_margin)
 
     def rows(self, k: int) -> float:
         """The verify rows of a draft of depth k: as observed, else k + 1 (a chain's).
@@ -186,10 +215,13 @@ class KController:
             # drafting cost unknown: a long first draft priced as free cost a 0.5B drafter
             # 8 forwards on prompts where speculation then did not pay; one token measures it
             return 1
-        rates = [self.expected_tokens(k) / self.step_seconds(k) for k in range(self.k_max + 1)]
+        rates = self._rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         if rates[best] < rates[0] * (1 + self.pay_margin):
             best = 0
+        self.off_by_load = best == 0 and bool(self.load.rows) and self._pays_alone()
+        if self.off_by_load:
+            return 0  # no exploration: alone it pays, so only the load is to watch
         if best == 0:
             self._since_plain = 0
             self._steps_off += 1
@@ -223,7 +255,7 @@ class KController:
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str = "", rows: int | None = None,
                 catch_up_s: float = 0.0, catch_up_rows: int = 0,
-                reads_prompt: bool = False) -> None:
+                reads_prompt: bool = False, load_rows: int = 0) -> None:
         """Fold one step's outcome and timings into the estimates.
 
         source: the drafter that proposed; rows: the verify forward's rows when the draft was
@@ -233,7 +265,8 @@ class KController:
         plain stretch), and how many rows: they price later reads (read_pays), and unless it
         was this reply's prompt (paid once a reply however drafting goes) the time is charged
         to the exploration that paid it, never to the per-step overhead, where plain steps
-        carried it too, so drafting looked relatively cheaper.
+        carried it too, so drafting looked relatively cheaper. load_rows: the other streams'
+        rows in the same forward; verify_s is that whole forward's, so it prices its rows.
         """
         rows = rows or n_drafted + 1
         if catch_up_rows:
@@ -246,11 +279,12 @@ class KController:
         if n_drafted:
             self.extra_rows[n_drafted] = _ema(self.extra_rows.get(n_drafted),
                                               rows - n_drafted - 1)
-        old = self.verify_s.get(rows)
+        forward_rows = rows + load_rows
+        old = self.verify_s.get(forward_rows)
         if self._retiming and not n_drafted:
-            self._retime(old, verify_s)
+            self._retime(forward_rows, old, verify_s)
         else:
-            self.verify_s[rows] = _settle(old, verify_s)
+            self.verify_s[forward_rows] = _settle(old, verify_s)
         self.overhead_s = _ema(self.overhead_s or None, other_s)
         if n_drafted:
             # catch-up reads stay out of the cost per token: in a run that priced them in (and
@@ -274,11 +308,12 @@ class KController:
         for j in range(min(n_accepted, self.k_max)):
             self._accepted[j] += 1.0
 
-    def _retime(self, old: float | None, seconds: float) -> None:
-        """Fold a deliberate plain step's time into the one-row cost. Another process only
-        ever slows a step, so a faster time than believed is taken as it is."""
+    def _retime(self, rows: int, old: float | None, seconds: float) -> None:
+        """Fold a deliberate plain step's time into the cost of its forward's rows (one,
+        alone). Another process only ever slows a step, so a faster time than believed is
+        taken as it is."""
         agrees = old is not None and abs(seconds / old - 1) <= self.retime_tolerance
-        self.verify_s[1] = seconds if old is None or seconds < old else _ema(old, seconds)
+        self.verify_s[rows] = seconds if old is None or seconds < old else _ema(old, seconds)
         gap = self._plain_gap or self.plain_every
         self._plain_gap = min(2 * gap, self.max_explore_gap) if agrees else self.plain_every
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from app.core.adaptive import KController
+from app.core.adaptive import KController, Load
 from app.core.protocols import Drafter, Members, ReadsContext
 from app.core.types import Draft
 
@@ -59,9 +59,17 @@ class AutoK:
     def needs_costs(self) -> bool:
         return any(not controller.verify_s for _, controller in self._pairs)
 
-    def propose(self, context: Sequence[int], cap: int) -> Draft:
-        """The step's draft (empty: a plain step); no more than cap tokens."""
+    @property
+    def off_by_load(self) -> bool:
+        """Whether this step was plain only because the other streams fill the forward."""
+        return self.off and any(controller.off_by_load for controller in self._asked)
+
+    def propose(self, context: Sequence[int], cap: int, load: Load | None = None) -> Draft:
+        """The step's draft (empty: a plain step); no more than cap tokens. load: what the
+        other streams put in the step's forward (batched streams)."""
         self._asked, self._said, self._drafting = [], [], None
+        for _, controller in self._pairs:
+            controller.load = load or Load()
         last = len(self._pairs) - 1
         for i, (member, controller) in enumerate(self._pairs):
             # a lookup: whether it has a continuation at all, before its controller counts
@@ -84,16 +92,20 @@ class AutoK:
 
     def observe(self, depth: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str, rows: int, catch_up_s: float = 0.0,
-                catch_up_rows: int = 0, reads_prompt: bool = False) -> None:
+                catch_up_rows: int = 0, reads_prompt: bool = False,
+                load_rows: int = 0) -> None:
         """The step's outcome, to the controller that drafted it, or else (a plain step) to
-        every controller that chose this step."""
+        every controller that chose this step. load_rows: the other streams' rows in the
+        step's forward."""
         if self._drafting is not None:
             self._drafting.observe(depth, n_accepted, draft_s, verify_s, other_s,
                                    source=source, rows=rows, catch_up_s=catch_up_s,
-                                   catch_up_rows=catch_up_rows, reads_prompt=reads_prompt)
+                                   catch_up_rows=catch_up_rows, reads_prompt=reads_prompt,
+                                   load_rows=load_rows)
             return
         for controller in self._asked:
-            controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1)
+            controller.observe(0, 0, draft_s, verify_s, other_s, source=source, rows=1,
+                               load_rows=load_rows)
 
 
 def _unread(member: Drafter, context: Sequence[int]) -> int:

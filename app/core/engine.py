@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.core.adaptive import KController
+from app.core.adaptive import KController, Load
 from app.core.auto_k import AutoK
 from app.core.feed import StepFeed
-from app.core.protocols import Drafter, Members, Model, NoDrafter, Recorder, TargetOutput
+from app.core.protocols import (
+    Drafter,
+    ForwardCall,
+    Members,
+    Model,
+    NoDrafter,
+    Recorder,
+    TargetOutput,
+)
 from app.core.sampling import sample, warp
 from app.core.text import IncrementalDetokenizer
 from app.core.types import (
@@ -38,6 +46,21 @@ from app.core.types import (
 from app.core.verify import verify_greedy, verify_sampled
 
 Event = Step | Done
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A ForwardCall's answer, sent back into the generation that yielded it: the output,
+    the forward's seconds and its rows (a batched forward's: every stream's)."""
+
+    out: TargetOutput
+    seconds: float
+    rows: int
+
+
+# a generation as a coroutine: it yields its events and the forwards it needs, and is sent
+# each forward's Forwarded (None after an event)
+Steps = Generator["Event | ForwardCall", "Forwarded | None", None]
 # draft tokens per step at most: acceptance of a 33rd token is negligible for any drafter we
 # know, and backends size their exact verify paths for k + 1 rows (backends/torch/exactness.py)
 MAX_K = 32
@@ -59,6 +82,8 @@ class _Tally:
     drafted: int = 0
     accepted: int = 0
     off_steps: int = 0
+    load_off_steps: int = 0
+    streams: int = 1
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_start: float = 0.0
@@ -97,6 +122,7 @@ class _Tally:
             accepted_length_histogram=tuple(self.histogram), prefill_s=self.prefill_s,
             ttft_s=self.ttft_s, decode_s=decode_s, draft_s=self.draft_s,
             verify_s=self.verify_s, speculation_off_steps=self.off_steps,
+            load_off_steps=self.load_off_steps, streams=self.streams,
             peak_memory_bytes=peak, drafters=tuple(self.members.values()))
 
 
@@ -178,6 +204,9 @@ class SpecEngine:
         self._verify_costs: dict[int, float] = {}  # rows -> seconds, probed once
         self._running = threading.Lock()
         self.lock = threading.Lock()
+        # what the other live streams put in the next forward, set by a scheduler of batched
+        # streams (app/runtime/streams.py) before each step; k="auto" prices drafts by it
+        self.load = Load()
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Refuse prompts the target cannot take, naming the fix."""
@@ -222,6 +251,16 @@ class SpecEngine:
         errors become Done(stop_reason="error"). On exit, however it ends, the session
         holds the prompt and every committed token but the last (the pending token).
         """
+        yield from run_alone(self.steps(prompt_ids, params, cancel, drafter=drafter, k=k,
+                                        partition=partition))
+
+    def steps(self, prompt_ids: Sequence[int], params: SamplingParams,
+              cancel: threading.Event | None = None, *, drafter: Drafter | None = None,
+              k: int | str | None = None, partition: str = LOCAL_PARTITION) -> Steps:
+        """generate's generation as a coroutine: it yields each target forward it needs as a
+        ForwardCall on this engine's session, to be sent back its Forwarded, and its events
+        between them. A scheduler of batched streams runs many at once (their forwards as
+        one); run_alone runs one."""
         self.check_prompt(prompt_ids)
         if drafter is None:
             drafter, k = self.drafter, (self.k if k is None else k)
@@ -236,7 +275,7 @@ class SpecEngine:
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                   cancel: threading.Event | None, drafter: Drafter, k: int | str,
-                  partition: str) -> Iterator[Event]:
+                  partition: str) -> Steps:
         controllers = self.controllers(drafter, k)
         call = _Call(drafter=drafter, k=k,
                      auto=AutoK(drafter, controllers) if controllers else None)
@@ -254,8 +293,9 @@ class SpecEngine:
                 call.auto.start(self._probe_verify_costs(prompt[0], call.k_max)
                                 if call.auto.needs_costs() else None)
             start = time.perf_counter()
-            first_out = self.session.forward(prompt[reuse:], n_logits=1,
-                                             capture=drafter.capture_layers)
+            forwarded = yield ForwardCall(self.session, tuple(prompt[reuse:]), 1,
+                                          capture=tuple(drafter.capture_layers))
+            first_out = forwarded.out
             first = self._choose(first_out, params, rng)
             tally.prefill_s = tally.ttft_s = time.perf_counter() - start
             tally.decode_start = time.perf_counter()
@@ -277,7 +317,8 @@ class SpecEngine:
                 if cancel is not None and cancel.is_set():
                     reason = "cancelled"
                     break
-                result = self._step_once(call, context, limit, params, rng, rules, tally)
+                result = yield from self._step_once(call, context, limit, params, rng, rules,
+                                                    tally)
                 output.extend(result.tokens)
                 from_draft.extend(result.from_draft)
                 context.extend(result.tokens)
@@ -300,14 +341,18 @@ class SpecEngine:
                    from_draft=tuple(from_draft))
 
     def _step_once(self, call: _Call, context: list[int], limit: int, params: SamplingParams,
-                   rng: np.random.Generator, rules: _StopRules, tally: _Tally) -> _StepResult:
+                   rng: np.random.Generator, rules: _StopRules, tally: _Tally
+                   ) -> Generator[ForwardCall, Forwarded, _StepResult]:
         """One propose -> verify -> keep -> accept step; returns the committed tokens."""
         n_output = len(context) - tally.n_prompt
         cap = limit - n_output - 1  # never draft past the limit: a step adds a target token
         t0 = time.perf_counter()
+        load = self.load
+        tally.streams = 1 + load.streams
         if call.auto is not None:
-            draft = call.auto.propose(context, cap)
+            draft = call.auto.propose(context, cap, load)
             tally.off_steps += call.auto.off
+            tally.load_off_steps += call.auto.off_by_load
         else:
             k = min(int(call.k), cap)
             draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
@@ -316,9 +361,12 @@ class SpecEngine:
             draft, tree = draft.first_chain(), False  # this backend verifies chains only
         t1 = time.perf_counter()
         n_cached = len(context) - 1
-        out = self.session.forward([context[-1], *draft.tokens], n_logits=len(draft.tokens) + 1,
-                                   parents=draft.row_parents() if tree else None,
-                                   capture=call.drafter.capture_layers)
+        rows = len(draft.tokens) + 1
+        forwarded = yield ForwardCall(self.session, (context[-1], *draft.tokens), rows,
+                                      tuple(draft.row_parents()) if tree else None,
+                                      tuple(call.drafter.capture_layers))
+        back = time.perf_counter()
+        out = forwarded.out
         verdict = (verify_greedy(draft, out.argmax) if params.greedy else
                    verify_sampled(draft, warp(out.host_logits(), params), rng))
         feed = StepFeed.verify(context[-1], n_cached, draft, verdict, out)
@@ -327,8 +375,9 @@ class SpecEngine:
         call.drafter.accept(feed)
         t3 = time.perf_counter()
         drafting = (t1 - t0) + (t3 - t2)
+        verifying = forwarded.seconds + (t2 - back)  # the forward's own time, and keep's
         tally.draft_s += drafting
-        tally.verify_s += t2 - t1
+        tally.verify_s += verifying
         depth = max(draft.depths(), default=0)
         tally.record(len(draft.tokens), depth, verdict.n_accepted, draft.source, drafting)
         m = verdict.n_accepted
@@ -341,11 +390,12 @@ class SpecEngine:
                 break
         if call.auto is not None:
             # the stop rules and text after t3 are this step's overhead
-            call.auto.observe(depth, m, drafting - draft.catch_up_s, t2 - t1,
+            call.auto.observe(depth, m, drafting - draft.catch_up_s, verifying,
                               time.perf_counter() - t3, source=draft.source,
-                              rows=len(draft.tokens) + 1, catch_up_s=draft.catch_up_s,
+                              rows=rows, catch_up_s=draft.catch_up_s,
                               catch_up_rows=draft.catch_up_rows,
-                              reads_prompt=draft.reads_prompt)
+                              reads_prompt=draft.reads_prompt,
+                              load_rows=max(forwarded.rows - rows, 0))
         return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
                            n_drafted=len(draft.tokens), reason=reason)
 
@@ -408,6 +458,37 @@ class _StepResult:
     from_draft: tuple[bool, ...]
     n_drafted: int
     reason: StopReason | None
+
+
+def run_alone(steps: Steps) -> Iterator[Event]:
+    """A generation's events, its forwards run on its own session as it asks for them; a
+    forward's error is raised inside it (where it becomes its Done). Closing this closes it."""
+    reply: Forwarded | None = None
+    error: Exception | None = None
+    try:
+        while True:
+            try:
+                item = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration:
+                return
+            reply, error = None, None
+            if isinstance(item, ForwardCall):
+                reply, error = forward_alone(item)
+            else:
+                yield item
+    finally:
+        steps.close()
+
+
+def forward_alone(call: ForwardCall) -> tuple[Forwarded | None, Exception | None]:
+    """One forward on its own session, timed; its error returned to be raised in its
+    generation."""
+    t0 = time.perf_counter()
+    try:
+        out = call.run()
+    except Exception as error:  # noqa: BLE001 - handed back to the generation that asked
+        return None, error
+    return Forwarded(out, time.perf_counter() - t0, len(call.token_ids)), None
 
 
 def check_k(k: object) -> None:

@@ -95,6 +95,30 @@ class Session(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ForwardCall:
+    """One session's forward as a scheduler gathers them (batched streams): Session.forward's
+    arguments, for the session that asked."""
+
+    session: Session
+    token_ids: tuple[int, ...]
+    n_logits: int = 1
+    parents: tuple[int, ...] | None = None
+    capture: tuple[int, ...] = ()
+
+    def run(self) -> TargetOutput:
+        """The call alone, on its own session."""
+        return self.session.forward(self.token_ids, self.n_logits, self.parents, self.capture)
+
+
+@runtime_checkable
+class BatchForward(Protocol):
+    """A model that runs several of its sessions' forwards as one (batched streams): each
+    call gets what its session's own forward gives, and every session advances as it would."""
+
+    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[TargetOutput]: ...
+
+
 class Tokenizer(Protocol):
     """The slice of an HF-style tokenizer the app uses."""
 

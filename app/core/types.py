@@ -204,6 +204,9 @@ class RunStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     speculation_off_steps: int = 0  # steps where k="auto" chose not to draft (it did not pay)
+    # of those, steps where it would have paid alone: the other streams filled the forward
+    load_off_steps: int = 0
+    streams: int = 1  # live streams in the step's forward (batched streams), at the last step
     peak_memory_bytes: int = 0
     drafters: tuple[DrafterStats, ...] = ()  # per drafter that proposed, in order of first use
 
@@ -258,6 +261,8 @@ class RunStats:
             "verify_s": self.verify_s,
             "other_s": self.other_s,
             "speculation_off_steps": self.speculation_off_steps,
+            "load_off_steps": self.load_off_steps,
+            "streams": self.streams,
             "peak_memory_bytes": self.peak_memory_bytes,
             "drafters": [d.to_dict(self.target_forwards) for d in self.drafters],
         }

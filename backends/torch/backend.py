@@ -22,7 +22,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from app.core.protocols import Capabilities, DrafterRequest, collect_eos_ids
+from app.core.protocols import (
+    Capabilities,
+    DrafterRequest,
+    ForwardCall,
+    TargetOutput,
+    collect_eos_ids,
+)
 from app.core.types import SpecdeckError
 from app.drafters.kinds import require_built
 from backends.builder_table import build
@@ -44,7 +50,14 @@ from backends.torch.quant import (
     w8a8_is_exact,
 )
 from backends.torch.quantize import quantize_linears
-from backends.torch.session import MAX_VERIFY_ROWS, HfSession, LeanSession, TorchSession
+from backends.torch.session import (
+    MAX_VERIFY_ROWS,
+    HfSession,
+    LeanSession,
+    TorchSession,
+    batchable,
+    forward_together,
+)
 
 # int8: weight-only int8 (per output channel) with bf16 activations; w8a8: int8 activations
 # too (per token), on oneDNN's kernels (CPU only); int4: 4-bit weights in groups of 32 with
@@ -173,6 +186,13 @@ class TorchModel:
         self.source: Path | None = None  # the folder it was loaded from, when it was
         # CPU sessions run the lean forward where it computes this model (decoder.py)
         self.lean = LeanDecoder(hf) if device == "cpu" and lean_reason(hf) is None else None
+
+    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[TargetOutput]:
+        """Several sessions' forwards as one where the lean forward runs them all (its
+        matmuls over every call's rows); elsewhere each alone, in order."""
+        if len(calls) > 1 and batchable(calls):
+            return forward_together(calls)
+        return [call.run() for call in calls]
 
     def check_exactness(self) -> None:
         """On CPU, find the verify block size that keeps each row's bits (exactness.py).

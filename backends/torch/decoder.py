@@ -98,6 +98,18 @@ class StaticKV:
         self.length = end
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One cache's rows in a forward: their ids, positions and visible slots (decoder.forward's
+    arguments); its keys and values land in slots cache.length onwards."""
+
+    cache: StaticKV
+    ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    keys: Sequence[Keys] | None
+    n_logits: int
+
+
 class LeanDecoder:
     """The forward of a Llama-style transformers model, module by module, on a StaticKV."""
 
@@ -125,7 +137,6 @@ class LeanDecoder:
         """An empty cache that grows up to `limit` slots (the model's context length)."""
         return StaticKV(len(self._layers), self.kv_heads, self.head_dim, self._hf.dtype, limit)
 
-    @torch.inference_mode()
     def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
                 keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int] = (),
                 head: torch.nn.Module | None = None,
@@ -134,52 +145,99 @@ class LeanDecoder:
         hidden]; the rows' keys and values land in slots cache.length onwards, and
         cache.length advances by the rows. `keys` names each row's visible slots (None: a
         causal prompt, attended in one call); `head` replaces the model's output layer."""
-        if self.in_c:
-            return self._forward_in_c(cache, token_ids, positions, keys, n_logits, capture,
-                                      head)
-        n, first = len(token_ids), cache.length
-        cache.reserve(first + n)
-        model = self._hf.model
-        x = model.embed_tokens(torch.tensor(token_ids, dtype=torch.long))
-        cos, sin = model.rotary_emb(x[None], torch.tensor([list(positions)]))
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim]: broadcast over heads
+        segment = Segment(cache, tuple(token_ids), tuple(positions), keys, n_logits)
+        return self.forward_segments([segment], capture, head)[0]
+
+    @torch.inference_mode()
+    def forward_segments(self, segments: Sequence[Segment], capture: Iterable[int] = (),
+                         head: torch.nn.Module | None = None
+                         ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """forward's contract for several caches at once (batched streams): every matmul
+        runs over all segments' rows, attention over each segment's own cache. Each row's
+        bits are those it gets alone wherever the matmuls are row-invariant (the load-time
+        check), since attention and the steps between matmuls are row-wise."""
+        spans, at = [], 0
+        for segment in segments:
+            segment.cache.reserve(segment.cache.length + len(segment.ids))
+            spans.append((at, at + len(segment.ids), segment.cache.length))
+            at += len(segment.ids)
+        ids = [t for segment in segments for t in segment.ids]
+        positions = [p for segment in segments for p in segment.positions]
         want = frozenset(capture)
+        run = self._layers_in_c if self.in_c else self._layers_in_torch
+        x, normed, captured = run(segments, spans, ids, positions, want)
+        for segment in segments:
+            segment.cache.length += len(segment.ids)
+        return self._outputs(segments, spans, x, normed, captured, head)
+
+    def _outputs(self, segments: Sequence[Segment], spans: list[tuple[int, int, int]],
+                 x: torch.Tensor, normed: torch.Tensor | None,
+                 captured: dict[int, torch.Tensor], head: torch.nn.Module | None
+                 ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Each segment's logits (its last n_logits rows, one output-layer call for all) and
+        its rows of the captured layers."""
+        rows = [r for (_, end, _), segment in zip(spans, segments)
+                for r in range(end - segment.n_logits, end)]
+        head = self._hf.get_output_embeddings() if head is None else head
+        # the final norm over the kept rows only, as transformers computes it
+        last = normed[rows] if normed is not None else self._hf.model.norm(x[rows])
+        logits = head(last) if rows else x[:0]
+        out, at = [], 0
+        for (start, end, _), segment in zip(spans, segments):
+            mine = logits[at:at + segment.n_logits] if segment.n_logits else x[:0]
+            at += segment.n_logits
+            out.append((mine, {i: h[start:end] for i, h in captured.items()}))
+        return out
+
+    def _layers_in_torch(self, segments: Sequence[Segment], spans: list[tuple[int, int, int]],
+                         ids: list[int], positions: list[int], want: frozenset[int]
+                         ) -> tuple[torch.Tensor, None, dict[int, torch.Tensor]]:
+        model = self._hf.model
+        x = model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        cos, sin = model.rotary_emb(x[None], torch.tensor([positions]))
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim]: broadcast over heads
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self._layers):
-            x = x + layer.o_proj(self._attention(layer, index, x, cache, first, cos, sin, keys))
+            qkv = layer.qkv(layer.input_norm(x))
+            attended = torch.cat([
+                self._attention(qkv[start:end], index, segment.cache, first, cos[start:end],
+                                sin[start:end], segment.keys)
+                for (start, end, first), segment in zip(spans, segments)])
+            x = x + layer.o_proj(attended)
             gate_up = layer.gate_up(layer.post_norm(x))
             gate, up = gate_up.narrow(-1, 0, layer.intermediate), gate_up.narrow(
                 -1, layer.intermediate, layer.intermediate)
             x = x + layer.down_proj(F.silu(gate) * up)
             if index in want:
                 captured[index] = x
-        cache.length = first + n
-        head = self._hf.get_output_embeddings() if head is None else head
-        return head(model.norm(x[n - n_logits:])) if n_logits else x[:0], captured
+        return x, None, captured
 
-    def _forward_in_c(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
-                      keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int],
-                      head: torch.nn.Module | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """forward's contract, the steps between matmuls in lean_ops' C: a prompt's rows
-        (keys None) attend as a chain's do, each to the slots up to its own."""
-        n, first = len(token_ids), cache.length
-        cache.reserve(first + n)
+    def _layers_in_c(self, segments: Sequence[Segment], spans: list[tuple[int, int, int]],
+                     ids: list[int], positions: list[int], want: frozenset[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The layers with the steps between matmuls in lean_ops' C: a prompt's rows (keys
+        None) attend as a chain's do, each to the slots up to its own."""
         model, heads, kv_heads, dim = self._hf.model, self.heads, self.kv_heads, self.head_dim
-        x = model.embed_tokens(torch.tensor(token_ids, dtype=torch.long)).contiguous()
-        cos, sin = model.rotary_emb(x[None], torch.tensor([list(positions)]))
+        x = model.embed_tokens(torch.tensor(ids, dtype=torch.long)).contiguous()
+        cos, sin = model.rotary_emb(x[None], torch.tensor([positions]))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [rows, dim]
-        slots = lean_ops.Slots.of(keys, first, n)
-        want = frozenset(capture)
+        slots = [lean_ops.Slots.of(segment.keys, first, end - start)
+                 for (start, end, first), segment in zip(spans, segments)]
         captured: dict[int, torch.Tensor] = {}
         normed = lean_ops.rmsnorm(x, *self._norms[0])
         for index, layer in enumerate(self._layers):
             qkv = layer.qkv(normed)
             lean_ops.rope(qkv, heads + kv_heads, dim, cos, sin)
-            layer_keys, layer_values = cache.keys[index], cache.values[index]
-            lean_ops.store_kv(qkv, heads * dim, (heads + kv_heads) * dim, kv_heads, dim,
-                              layer_keys, layer_values, first)
-            attended = lean_ops.attention(qkv, heads, kv_heads, dim, layer_keys, layer_values,
-                                          slots, self._scaling)
+            parts = []
+            for (start, end, first), segment, seen in zip(spans, segments, slots):
+                rows = qkv[start:end]
+                layer_keys = segment.cache.keys[index]
+                layer_values = segment.cache.values[index]
+                lean_ops.store_kv(rows, heads * dim, (heads + kv_heads) * dim, kv_heads, dim,
+                                  layer_keys, layer_values, first)
+                parts.append(lean_ops.attention(rows, heads, kv_heads, dim, layer_keys,
+                                                layer_values, seen, self._scaling))
+            attended = parts[0] if len(parts) == 1 else torch.cat(parts)
             x, normed = lean_ops.add_rmsnorm(x, layer.o_proj(attended),
                                              *self._post_norms[index])
             down = layer.down_proj(lean_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
@@ -187,15 +245,12 @@ class LeanDecoder:
             x, normed = lean_ops.add_rmsnorm(x, down, *self._norms[index + 1])
             if index in want:
                 captured[index] = x
-        cache.length = first + n
-        head = self._hf.get_output_embeddings() if head is None else head
-        return head(normed[n - n_logits:]) if n_logits else x[:0], captured
+        return x, normed, captured
 
-    def _attention(self, layer: _Layer, index: int, x: torch.Tensor, cache: StaticKV,
-                   first: int, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, qkv: torch.Tensor, index: int, cache: StaticKV, first: int,
+                   cos: torch.Tensor, sin: torch.Tensor,
                    keys: Sequence[Keys] | None) -> torch.Tensor:
-        n, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = layer.qkv(layer.input_norm(x))
+        n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
         # queries and keys rotate as one tensor: elementwise, so each gets its own bits
         qk = _rotary(qkv.narrow(-1, 0, (heads + kv_heads) * dim).view(n, heads + kv_heads, dim),
                      cos, sin)

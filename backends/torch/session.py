@@ -20,10 +20,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer
 
-from app.core.protocols import Capabilities, TargetOutput
+from app.core.protocols import Capabilities, ForwardCall, TargetOutput
 from app.core.types import SpecdeckError, tree_parents
 from backends.torch import attention as torch_attention
-from backends.torch.decoder import LeanDecoder, chain_keys, tree_keys, tree_positions
+from backends.torch.decoder import (
+    LeanDecoder,
+    Segment,
+    chain_keys,
+    tree_keys,
+    tree_positions,
+)
 from backends.torch.output_heads import SubsetHead, logits_are_the_head_alone
 from backends.torch.rewind import PastRecorder, recorder_for
 
@@ -139,6 +145,12 @@ class TorchSession(ABC):
             parts.append(logits)
             for layer in want:
                 captured[layer].append(hidden[layer])
+        return self._appended(real, parts, captured)
+
+    def _appended(self, real: list[int], parts: list[torch.Tensor],
+                  captured: dict[int, list[torch.Tensor]]) -> TargetOutput:
+        """The forward's output from its blocks' logits and captures; its ids join the
+        session's."""
         self._ids.extend(real)
         logits = torch.cat([p for p in parts if p.shape[0]])  # [n_logits, vocab]
         argmax = tuple(logits.argmax(dim=-1).tolist())
@@ -223,14 +235,17 @@ class LeanSession(TorchSession):
         return self._static.length
 
     def _run(self, block: Block, want: frozenset[int]) -> tuple[torch.Tensor, Hidden]:
+        return self._lean.forward_segments([self.segment(block)], want, head=self.head)[0]
+
+    def segment(self, block: Block) -> Segment:
+        """The block's rows on this session's cache, with their positions and visible slots."""
         first, n = self._static.length, len(block.ids)
         if block.tree is None:
             positions, keys = list(range(first, first + n)), chain_keys(first, n)
         else:
             positions = tree_positions(block.tree, block.base, block.start, block.end, block.pad)
             keys = tree_keys(block.tree, block.base, block.start, block.end, block.pad)
-        return self._lean.forward(self._static, list(block.ids), positions, keys,
-                                  block.n_logits, want, head=self.head)
+        return Segment(self._static, block.ids, tuple(positions), keys, block.n_logits)
 
     def _select(self, length: int, rows: list[int]) -> None:
         self._static.select(length, [length + r for r in rows])
@@ -358,3 +373,68 @@ def _tree_inputs(parents: tuple[int, ...], base: int, start: int, end: int, pad:
         mask[0, 0, row, seen] = True
     positions = tree_positions(parents, base, start, end, pad)
     return {"position_ids": torch.tensor([positions], device=device), "attention_mask": mask}
+
+
+def batchable(calls: Sequence[ForwardCall]) -> bool:
+    """Whether the calls can run as one lean forward: distinct lean sessions of one model,
+    alike in exactness, computing with the model's own output layer."""
+    sessions = [call.session for call in calls]
+    if not all(isinstance(s, LeanSession) and s.head is None for s in sessions):
+        return False
+    trees = any(tree_parents(call.parents, len(call.token_ids)) is not None for call in calls)
+    if trees and not sessions[0]._model.capabilities.tree_attention:
+        return False  # each call alone then, where the refusal names the reason
+    return (len({id(s) for s in sessions}) == len(sessions)
+            and len({(id(s._model), s.exact) for s in sessions}) == 1)
+
+
+def forward_together(calls: Sequence[ForwardCall]) -> list[TargetOutput]:
+    """Each call's session.forward, computed as one forward over all their rows (batchable
+    calls): the rows are cut into the sessions' exact blocks across calls, so every row sees
+    the kernels it sees alone, and each block pads to min_rows as one session's would."""
+    sessions: list[LeanSession] = [call.session for call in calls]
+    reals = [[int(t) for t in call.token_ids] for call in calls]
+    trees = [_tree_rows(call.parents, len(real)) for call, real in zip(calls, reals)]
+    wants = [s._wanted(call.capture) for s, call in zip(sessions, calls)]
+    bases = [s.length for s in sessions]
+    parts: list[list[torch.Tensor]] = [[] for _ in calls]
+    captured: list[dict[int, list[torch.Tensor]]] = [{i: [] for i in w} for w in wants]
+    lead = sessions[0]
+    size = lead._rows_per_block(sum(map(len, reals)))
+    for block in _blocks([len(real) for real in reals], size):
+        pad = max(lead.min_rows - sum(end - start for _, start, end in block), 0)
+        pads = [pad if j == len(block) - 1 else 0 for j in range(len(block))]
+        keeps, segments = [], []
+        for (c, start, end), extra in zip(block, pads):
+            rows = reals[c][start:end]
+            keep = max(end - max(start, len(reals[c]) - calls[c].n_logits), 0)
+            keeps.append(keep)
+            segments.append(sessions[c].segment(Block(
+                tuple(rows + rows[-1:] * extra), bases[c], start, end, extra, trees[c],
+                keep + extra, len(reals[c]))))
+        outs = lead._lean.forward_segments(segments, frozenset().union(*wants))
+        for (c, start, end), extra, keep, (logits, hidden) in zip(block, pads, keeps, outs):
+            parts[c].append(logits[:keep])
+            for layer in wants[c]:
+                captured[c][layer].append(hidden[layer][:end - start])
+            if extra:
+                sessions[c]._crop(sessions[c].length - extra)
+    return [s._appended(real, p, h) for s, real, p, h in zip(sessions, reals, parts, captured)]
+
+
+def _blocks(lengths: Sequence[int], size: int) -> list[list[tuple[int, int, int]]]:
+    """The calls' rows, laid end to end, in blocks of at most `size` rows: each block a list
+    of (call, start, end) spans."""
+    blocks: list[list[tuple[int, int, int]]] = [[]]
+    room = size
+    for c, n in enumerate(lengths):
+        start = 0
+        while start < n:
+            if room == 0:
+                blocks.append([])
+                room = size
+            end = min(n, start + room)
+            blocks[-1].append((c, start, end))
+            room -= end - start
+            start = end
+    return [b for b in blocks if b]

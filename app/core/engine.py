@@ -399,6 +399,10 @@ class SpecEngine:
         return _StepResult(tokens=tuple(new), from_draft=tuple(i < m for i in range(len(new))),
                            n_drafted=len(draft.tokens), reason=reason)
 
+    def share_costs(self, other: SpecEngine) -> None:
+        """Price k with another engine's probed verify costs (a slot of the same target)."""
+        self._verify_costs = other._verify_costs
+
     def warm_up(self) -> None:
         """Time the verify cost curve now, at load, rather than inside the first request that
         asks for k="auto": 19 forwards of 1..9 rows, each about a decode step's cost."""

@@ -26,6 +26,7 @@ class Loaded:
     draft: Any = None  # the loaded draft model, when the drafter uses one
     backend: Any = None
     history: Any = None  # app/store/history.History, None under --no-history
+    rebuild: Any = None  # kind -> a new drafter as this load builds it (a stream slot's own)
 
 
 def load_engine(args: Any) -> Loaded:
@@ -77,8 +78,17 @@ def load_engine(args: Any) -> Loaded:
                                      tree=tree, history=history)
     engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k,
                         recorder=history)
+
+    def rebuild(kind: str) -> Any:
+        own = kind == drafter_kind  # the loaded kind keeps its head, trees and vocabulary
+        return drafters.build_drafter(
+            kind, target, backend=backend, draft=draft, history=history,
+            vocab_limit=getattr(args, "draft_vocab", 0) if own else 0,
+            head=head if own else None, tree=tree and own)
+
     return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
-                  notes=notes, draft=draft, backend=backend, history=history)
+                  notes=notes, draft=draft, backend=backend, history=history,
+                  rebuild=rebuild)
 
 
 def open_history(args: Any, target: Any) -> Any:

@@ -84,10 +84,13 @@ class Streams:
 
     def __init__(self, engines: Sequence[SpecEngine], build: Callable[[str], Drafter],
                  default: tuple[str, Drafter] | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, capacity: Capacity | None = None
+                 ) -> None:
         if not engines:
             raise ValueError("a scheduler needs at least one slot")
         self.engines = list(engines)
+        self.capacity = capacity or Capacity(len(engines), engines[0].target.context_length,
+                                             f"{len(engines)} slot(s) asked")
         self._build = build
         # each slot's drafters by kind; the first slot's engine keeps the loaded one
         self._drafters: list[dict[str, Drafter]] = [{} for _ in engines]

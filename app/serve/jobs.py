@@ -55,6 +55,7 @@ class Served:
     gate: Gate = field(default_factory=lambda: Gate(DEFAULT_MAX_WAITING))
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
 
+    streams: Any = None  # app/runtime/streams.Streams: the slots every request steps in
     draft: Any = None  # the loaded draft model, for requests that ask for a model drafter
     backend: Any = None
     _drafters: dict[str, Any] = field(default_factory=dict)  # built on first request, kept

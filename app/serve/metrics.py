@@ -22,6 +22,9 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.accepted),
     "prompt_tokens": ("Number of prefill tokens processed.", lambda s: s.n_prompt_tokens),
     "generation_tokens": ("Number of generation tokens processed.", lambda s: s.n_new_tokens),
+    # batched streams: "speculation off: the other streams fill the step"
+    "load_off_steps": ("Steps that drafted nothing only because the other streams fill the "
+                       "step.", lambda s: s.load_off_steps),
 }
 
 

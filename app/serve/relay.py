@@ -45,7 +45,11 @@ class Run:
         ran = False
         metrics.queued_one()
         try:
-            if self._wait_for(engine.lock):
+            if self.served.streams is not None:
+                ran = True
+                metrics.started_one()
+                done = self._stream(self.served.streams)
+            elif self._wait_for(engine.lock):
                 try:
                     metrics.started_one()
                     ran = True
@@ -84,6 +88,21 @@ class Run:
                 done = event if isinstance(event, Done) else done
         finally:
             events.close()  # runs the engine's finally: the cache is rewound
+        return done
+
+    def _stream(self, streams: Any) -> Done | None:
+        """The generation as one of the scheduler's streams (app/runtime/streams.py): it
+        waits there for a slot, and its cancel event frees the slot."""
+        from app.drafters.suffix import for_partition
+        from app.runtime.streams import Request
+
+        job = self.job
+        request = streams.submit(Request(job.prompt_ids, job.params, job.drafter_name, job.k,
+                                         job.partition, self.cancel, bind=for_partition))
+        done = None
+        for event in request.events():
+            self._put(event)
+            done = event if isinstance(event, Done) else done
         return done
 
     def _put(self, item: Step | Done | None) -> None:

@@ -77,6 +77,7 @@ def build_app(served: Served, pool: Pool | None = None) -> Any:
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
         text = (served.metrics.render(served.model_id) + history_gauges(served)
+                + stream_gauges(served)
                 if pool is None else render_all(served.pair_metrics))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -127,6 +128,11 @@ def models_list(served: Served) -> dict[str, Any]:
             "specdeck": {"drafter": served.drafter_name, "k": engine.k,
                          "backend": served.backend_name, "device": engine.target.device,
                          "dtype": engine.target.dtype}}
+    streams = served.streams
+    if streams is not None:
+        card["specdeck"]["streams"] = {"slots": streams.slots,
+                                       "context": streams.capacity.context,
+                                       "why": streams.capacity.reason}
     return {"object": "list", "data": [card]}
 
 
@@ -165,6 +171,28 @@ def pool_models_list(pool: Pool) -> dict[str, Any]:
                       "owned_by": "specdeck", "max_model_len": item.context,
                       "specdeck": info})
     return {"object": "list", "data": cards}
+
+
+def stream_gauges(served: Served) -> str:
+    """The scheduler's slots, live and waiting streams, and the last forward's load."""
+    from app.serve import prometheus
+
+    streams = served.streams
+    if streams is None:
+        return ""
+    label = {"model_name": served.model_id}
+    load = streams.last_load
+    return "".join(prometheus.render(*family) for family in (
+        ("specdeck:stream_slots", "gauge", "Streams that fit at once (memory and --parallel).",
+         [(label, streams.slots)]),
+        ("specdeck:streams_live", "gauge", "Streams generating now, stepped together.",
+         [(label, streams.live)]),
+        ("specdeck:streams_waiting", "gauge", "Requests waiting for a slot.",
+         [(label, streams.waiting)]),
+        ("specdeck:step_streams", "gauge", "Streams in the last batched forward.",
+         [(label, load.streams)]),
+        ("specdeck:step_rows", "gauge", "Rows in the last batched forward.",
+         [(label, load.rows)])))
 
 
 def history_gauges(served: Served) -> str:

@@ -29,10 +29,18 @@ from app.runtime import compute
 from app.serve.admission import Gate
 from app.serve.jobs import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_WAITING, Served
 from app.serve.metrics import Metrics
-from app.serve.pool import DEFAULT_KEEP_ALIVE, Listed, Pool, need_bytes, parse_duration
+from app.serve.pool import (
+    DEFAULT_KEEP_ALIVE,
+    NEED_CONTEXT,
+    Listed,
+    Pool,
+    need_bytes,
+    parse_duration,
+)
 from app.serve.routes import build_app
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PARALLEL = 4  # llama-server's default slots
 SHUTDOWN_GRACE_S = 5  # after SIGTERM, cancelled streams have this long to send their end
 
 
@@ -49,6 +57,12 @@ def add_subcommand(subparsers: Any) -> None:
                         "their own, never drafted for another key")
     p.add_argument("--api-keys-file", help="a file of API keys, one a line (# comments), "
                                            "beside any --api-key")
+    p.add_argument("--parallel", "-np", type=int, default=DEFAULT_PARALLEL,
+                   help="streams generated at once, stepped together in one forward (default "
+                        f"{DEFAULT_PARALLEL}; fewer when memory holds fewer streams of "
+                        "--stream-context tokens; 1: one request at a time)")
+    p.add_argument("--stream-context", type=int, default=NEED_CONTEXT,
+                   help=f"the tokens each stream is sized for (default {NEED_CONTEXT})")
     p.add_argument("--served-model-name", help="model id clients send (default: target name)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_MB:g})")
@@ -80,15 +94,18 @@ def _serve(args: argparse.Namespace) -> int:
     loaded = compute.call(load_engine, args)
     engine = loaded.engine
     compute.call(engine.warm_up)  # the first request does not pay for timing the verify costs
+    streams = compute.call(stream_slots, args, loaded)
     served = Served(engine=engine, model_id=args.served_model_name or engine.target.name,
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=request_k_default(args.k),
                     api_keys=api_keys(args), gate=Gate(args.max_waiting),
                     max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
-                    backend=loaded.backend)
+                    backend=loaded.backend, streams=streams)
     _warn_if_open(args.host, served.keys())
     for note in getattr(loaded, "notes", ()):
         print(f"specdeck: {note}", file=sys.stderr)
+    print(f"specdeck: {streams.slots} stream(s) at once, {streams.capacity.context} tokens each "
+          f"({streams.capacity.reason})", file=sys.stderr)
     print(f"specdeck: serving {served.model_id} (drafter {served.drafter_name}, k {engine.k}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(served), log_level="warning",
@@ -96,6 +113,22 @@ def _serve(args: argparse.Namespace) -> int:
     cancelling_server()(config, served.gate).run(sockets=[listener])
     compute.quiet(SHUTDOWN_GRACE_S)  # the cancelled generation's last step ends inside torch
     return 0
+
+
+def stream_slots(args: argparse.Namespace, loaded: Any) -> Any:
+    """The scheduler of the served target's streams: --parallel slots, fewer where memory
+    holds fewer streams of --stream-context tokens (each slot's KV, the draft model's too)."""
+    from app.catalogue import hardware
+    from app.runtime.streams import Streams, capacity, fork_engines
+
+    engine = loaded.engine
+    context = min(args.stream_context, engine.target.context_length)
+    per_token = sum(getattr(m, "kv_bytes_per_token", lambda: 0)()
+                    for m in (engine.target, loaded.draft) if m is not None)
+    free = hardware.available_memory(loaded.backend_name, args.device)
+    fit = capacity(args.parallel, per_token * context, free, context)
+    return Streams(fork_engines(engine, fit.slots), loaded.rebuild or (lambda kind: None),
+                   default=(loaded.drafter_name, engine.drafter), capacity=fit)
 
 
 def request_k_default(k: int | str) -> int | str:
@@ -219,6 +252,8 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SpecdeckError(f"--port must be in 1..65535 (got {args.port})")
     if not args.max_body_mb > 0:  # also refuses NaN
         raise SpecdeckError(f"--max-body-mb must be > 0 (got {args.max_body_mb})")
+    if getattr(args, "parallel", 1) < 1:
+        raise SpecdeckError(f"--parallel must be >= 1 (got {args.parallel})")
     if args.max_waiting < 0:
         raise SpecdeckError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
 

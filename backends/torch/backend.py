@@ -187,6 +187,16 @@ class TorchModel:
         # CPU sessions run the lean forward where it computes this model (decoder.py)
         self.lean = LeanDecoder(hf) if device == "cpu" and lean_reason(hf) is None else None
 
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values one token takes in a session's cache, every layer."""
+        config = self.hf.config.get_text_config() if hasattr(self.hf.config, "get_text_config") \
+            else self.hf.config
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        dim = int(getattr(config, "head_dim", None)
+                  or config.hidden_size // config.num_attention_heads)
+        size = torch.finfo(self.hf.dtype).bits // 8 if self.hf.dtype.is_floating_point else 4
+        return 2 * self.n_layers * heads * dim * size
+
     def forward_batch(self, calls: Sequence[ForwardCall]) -> list[TargetOutput]:
         """Several sessions' forwards as one where the lean forward runs them all (its
         matmuls over every call's rows); elsewhere each alone, in order."""

@@ -43,13 +43,19 @@ _FOLDERS = tempfile.TemporaryDirectory(prefix="specdeck-mlx-families-")
 
 @functools.cache
 def torch_model(family: str, seed: int = SEED):
-    return tiny_family(family, seed, attention=attention.register())
+    """A family's tiny model on torch, decoding past its end token (this module's copy): the
+    tiny Qwen3.5-MoE would stop after 5 tokens."""
+    target = tiny_family(family, seed, attention=attention.register())
+    target.eos_token_ids = frozenset()
+    return target
 
 
 @functools.cache
 def model(family: str, seed: int = SEED):
     """A family's tiny model on MLX, the torch one's weights (fp32 on the CPU)."""
-    return mlx_twin(torch_model(family, seed), Path(_FOLDERS.name) / f"{family}-{seed}")
+    target = mlx_twin(torch_model(family, seed), Path(_FOLDERS.name) / f"{family}-{seed}")
+    target.eos_token_ids = frozenset()
+    return target
 
 
 @functools.cache
@@ -60,6 +66,7 @@ def plain(family: str) -> tuple[int, ...]:
 def decode(target, drafter, k: int) -> tuple[int, ...]:
     done = list(SpecEngine(target, drafter, k=k).generate(PROMPT, GREEDY))[-1]
     assert done.error is None, done.error
+    assert len(done.token_ids) == NEW
     if drafter is not None:
         assert done.stats.drafted > 0
     return done.token_ids

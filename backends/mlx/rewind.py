@@ -11,6 +11,8 @@ Recurrent states: snapshot, then re-decode. A layer's forward replaces its state
 references, not copies, and stays valid after it. A rewind restores the newest checkpoint at
 or below the kept length; the session trims the KV layers to it and re-decodes the tokens in
 between (none when the checkpoint is the kept length: every one-row forward leaves one).
+A session holds at most MAX_CHECKPOINTS states per recurrent layer beside the live one, and
+after a rewind only the one it restored.
 
 Knows: mlx-lm's cache classes (KVCache, RotatingKVCache, ArraysCache) and their fields.
 Must not know: tokens, models, drafting, verification.
@@ -26,7 +28,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 SPARE = 64  # rows a window keeps past its size: the longest verify or draft a cut undoes
-MAX_CHECKPOINTS = 24  # per session: a rewind older than these replays from the start
+# per session, each a state per recurrent layer: a draft model's k one-row forwards (k <= 8)
+# rewind without a re-decode; a rewind older than these replays from the start
+MAX_CHECKPOINTS = 9
 
 # why these targets verify chains only on MLX, named in tree refusals
 RECURRENT_CHAINS = ("its recurrent layers keep one state, rewound along a chain by a "
@@ -141,7 +145,10 @@ class Checkpoints:
         self.drop_after(length)
         if not self._marks:
             return None
-        mark = self._marks.pop()  # the re-decode that follows marks it again
+        # the re-decode that follows marks it again; older ones go: sessions rewind to what
+        # they kept (a far rewind, a new prompt, replays), and each holds a state alive
+        mark = self._marks.pop()
+        self._marks.clear()
         for layer, (arrays, padding, lengths) in zip(self._layers, mark.states):
             layer.state = (list(arrays), padding, lengths)
         return mark.length

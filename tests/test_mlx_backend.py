@@ -157,15 +157,19 @@ def _tiny_mamba(folder: Path) -> Path:
     return folder
 
 
-def test_a_recurrent_cache_is_refused_at_load_naming_its_type(tmp_path):
-    folder = _tiny_mamba(tmp_path / "m")
-    with pytest.raises(SpecdeckError, match="cannot be cut back.*ArraysCache.*--backend torch"):
-        MlxBackend().load(str(folder), device="cpu")
+def test_a_recurrent_model_without_attention_speculates_equal_to_plain(tmp_path):
+    """Mamba's states alone (no attention layer counts the tokens): ngram drafts, each
+    rejection rewound to a checkpoint of its states."""
+    target = MlxBackend().load(str(_tiny_mamba(tmp_path / "m")), device="cpu")
+    prompt = PROMPT * 3
+    plain = greedy(target, prompt, 24, k=1)
+    assert target.capabilities.rewind and not target.capabilities.tree_attention
+    assert greedy(target, prompt, 24, drafter=NgramDrafter(), k=4) == plain
 
 
-def test_gemma3_decodes_plainly_past_its_window_as_torch_does_and_refuses_drafts(tmp_path):
-    """Gemma 3's rotating window: plain decoding (a second prompt sharing the first's prefix
-    replays it), and speculation refused with the reason."""
+def test_gemma3_decodes_past_its_window_as_torch_does_and_speculates_equal_to_plain(tmp_path):
+    """Gemma 3's window: plain decoding (a second prompt sharing the first's prefix) and
+    ngram speculation give torch's tokens; trees are refused with the reason."""
     from backends.torch import attention
     from tests.tiny_families import WINDOW, tiny_family
 
@@ -174,13 +178,14 @@ def test_gemma3_decodes_plainly_past_its_window_as_torch_does_and_refuses_drafts
     prompt, n = PROMPT * 2, 3 * WINDOW
     engine = SpecEngine(mlx_target)
     for ask in (prompt, prompt[:-3] + [4, 4]):
-        assert greedy(mlx_target, ask, n) == greedy(torch_target, ask, n)
+        want = greedy(torch_target, ask, n)
+        assert greedy(mlx_target, ask, n) == want
         done = list(engine.generate(ask, SamplingParams(max_new_tokens=n)))[-1]
-        assert done.error is None and list(done.token_ids) == greedy(torch_target, ask, n)
-    assert not mlx_target.capabilities.rewind
-    with pytest.raises(SpecdeckError, match="cannot speculate: its sliding-window layers keep "
-                                            "mlx-lm's rotating cache.*--backend torch"):
-        build_drafter("ngram", mlx_target, backend=MlxBackend())
+        assert done.error is None and list(done.token_ids) == want
+        assert greedy(mlx_target, ask, n, drafter=NgramDrafter(), k=4) == want
+    assert mlx_target.capabilities.rewind and not mlx_target.capabilities.tree_attention
+    assert "sliding-window" in mlx_target.capabilities.reason
+    assert build_drafter("ngram", mlx_target, backend=MlxBackend()).name == "ngram"
 
 
 # --- hidden states -------------------------------------------------------------------------

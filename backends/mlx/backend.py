@@ -29,7 +29,9 @@ from app.drafters.kinds import require_built
 from backends.builder_table import build
 from backends.gguf import hf_folder
 from backends.mlx import BUILDERS, RUNS
+from backends.mlx import rewind as mlx_rewind
 from backends.mlx import tree as mlx_tree
+from backends.mlx.layouts import config_fixes, model_classes
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward while prefilling (bounds activation memory)
 _DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
@@ -62,30 +64,27 @@ def resolve_dtype(dtype: str, device: mx.Device, stored: mx.Dtype) -> mx.Dtype:
     return _DTYPES[dtype]
 
 
-# why a windowed target decodes plainly on MLX: mlx-lm's RotatingKVCache overwrites the rows
-# past its window, so rejected drafts could not be cut back (torch speculates on them)
-ROTATING = ("its sliding-window layers keep mlx-lm's rotating cache, which overwrites the "
-            "rows a rejected draft would need back on MLX (plain decoding there; --backend "
-            "torch speculates)")
-
-
 class MlxSession:
     """One mlx-lm prompt cache; forward appends a chain or a tree, keep and rewind cut it back.
 
     A tree forward (parents given) runs its rows in one call at their own positions under an
-    ancestor mask (backends/mlx/tree.py); a chain runs as mlx-lm runs it, untouched.
+    ancestor mask (backends/mlx/tree.py); a chain runs as mlx-lm runs it, untouched. Windows
+    and recurrent states are cut back as backends/mlx/rewind.py says.
     """
 
     def __init__(self, model: MlxModel, capture_layers: Sequence[int]) -> None:
         self._model = model
-        self._cache = make_prompt_cache(model.net)
+        self._cache = mlx_rewind.session_cache(make_prompt_cache(model.net))
+        self._checkpoints = mlx_rewind.Checkpoints(self._cache)
         self._capture = tuple(capture_layers)
         # ids in the cache; a greedy chain's device-side tokens stay arrays until read
         self._ids: list[int | mx.array] = []
 
     @property
     def length(self) -> int:
-        return int(self._cache[0].offset)
+        # recurrent layers count no tokens: an attention layer's cache does
+        counted = [c for c in self._cache if hasattr(c, "offset")]
+        return int(counted[0].offset) if counted else len(self._ids)
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -147,6 +146,8 @@ class MlxSession:
         Rows before the last n_logits go through the model without the output layer ever
         running: MLX computes only what is evaluated, and only the cache state is.
         """
+        if self._checkpoints.needed:
+            self._checkpoints.mark(self.length)
         if isinstance(token_ids, mx.array):
             ids = token_ids
             self._ids.extend(token_ids[i] for i in range(token_ids.size))
@@ -164,21 +165,43 @@ class MlxSession:
     def rewind(self, length: int) -> None:
         if length < 0 or length > self.length:
             raise ValueError(f"cannot rewind a cache of {self.length} tokens to {length}")
-        if any(c.offset > length and not c.is_trimmable() for c in self._cache):
+        if self._checkpoints.needed and length < self.length:
+            self._restore(length)
+        elif self._cuts_to(length):
+            self._trim(length)
+        else:
             self._replay(length)
-            return
+
+    def _cuts_to(self, length: int) -> bool:
+        return all(mlx_rewind.cuts(c, getattr(c, "offset", length) - length)
+                   for c in self._cache)
+
+    def _trim(self, length: int) -> None:
         # per layer: a forward interrupted by an exception can leave layers of unequal length
         for cache in self._cache:
-            extra = cache.offset - length
+            extra = getattr(cache, "offset", length) - length
             if extra > 0:
                 cache.trim(extra)
         del self._ids[length:]
 
-    def _replay(self, length: int) -> None:
-        """The cache of the first `length` tokens, computed again: a rotating window that
-        filled has overwritten what a cut back would need (a new prompt sharing a prefix)."""
+    def _restore(self, length: int) -> None:
+        """Recurrent states: back to the newest checkpoint at or below length, then the
+        tokens from there to length decoded again (lazily: the next forward computes them)."""
         kept = list(self.tokens[:length])
-        self._cache, self._ids = make_prompt_cache(self._model.net), []
+        start = self._checkpoints.restore(length)
+        if start is None or not self._cuts_to(start):
+            self._replay(length)
+            return
+        self._trim(start)
+        if length > start:
+            self.logits(kept[start:])
+
+    def _replay(self, length: int) -> None:
+        """The cache of the first `length` tokens, computed again: a window or a recurrent
+        state has lost what a cut back would need (a new prompt sharing an old prefix)."""
+        kept = list(self.tokens[:length])
+        self._cache = mlx_rewind.session_cache(make_prompt_cache(self._model.net))
+        self._checkpoints, self._ids = mlx_rewind.Checkpoints(self._cache), []
         if kept:
             mx.eval(self.logits(kept))
 
@@ -220,11 +243,7 @@ class MlxModel:
         self.dtype = _describe_dtype(net, config)
         self.compute_dtype = _stored_dtype(net)  # the activations' (a tree mask's) dtype
         why_not = mlx_tree.unsupported(net)
-        rotating = any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(net))
-        self.capabilities = (Capabilities(rewind=False, hidden_states=True, reason=ROTATING)
-                             if rotating else
-                             Capabilities(rewind=True, hidden_states=True,
-                                          tree_attention=not why_not, reason=why_not))
+        self.capabilities = _capabilities(make_prompt_cache(net), why_not)
         self.vocab_size = int(self.start().logits([0]).shape[-1])  # rows of the output layer
 
     def start(self, capture_layers: Sequence[int] = (), exact: bool = True) -> MlxSession:
@@ -257,13 +276,13 @@ class MlxBackend:
         config = load_config(folder)
         try:
             with mx.stream(stream):
-                net, config = load_model(folder, model_config=_config_fixes(config))
+                net, config = load_model(folder, model_config=config_fixes(config),
+                                         get_model_classes=model_classes)
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError, RuntimeError) as error:  # mx.load: RuntimeError
             raise SpecdeckError(f"could not load a model from {path} with MLX: {error}. Check "
                                 "that the folder holds config.json, *.safetensors weights and "
                                 "tokenizer files, or use --backend torch") from error
-        _refuse_untrimmable(net, _display_name(Path(path)))
         net.set_dtype(resolve_dtype(dtype, stream, _stored_dtype(net)))
         mx.eval(net.parameters())
         model = MlxModel(net, tokenizer, config, name=_display_name(Path(path)), device=stream)
@@ -278,50 +297,14 @@ class MlxBackend:
         request = DrafterRequest(kind, target, draft, head, tree, vocab_limit)
         return build(BUILDERS, "backends.mlx.builders", request)
 
-def _config_fixes(config: dict[str, Any]) -> dict[str, Any]:
-    """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters (or writes as
-    layer_types).
-
-    Without them mlx-lm silently falls back to its default rope_theta (10000 for llama,
-    where SmolLM2 needs 100000) and produces wrong logits.
-    """
-    fixes = _window_pattern(config)
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" in config:
-        return fixes
-    if "rope_theta" in rope:
-        fixes["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
-        fixes["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return fixes
-
-
-def _window_pattern(config: dict[str, Any]) -> dict[str, Any]:
-    """sliding_window_pattern (every p-th layer full, mlx-lm's Gemma 3 reading) from the
-    layer_types transformers 5 writes instead; mlx-lm's default of 6 misreads other layouts."""
-    types = config.get("layer_types")
-    if not types or "sliding_window_pattern" in config or "full_attention" not in types:
-        return {}
-    period = types.index("full_attention") + 1
-    regular = all((t == "full_attention") == ((i + 1) % period == 0) for i, t in enumerate(types))
-    return {"sliding_window_pattern": period} if regular else {}
-
-
-def _refuse_untrimmable(net: Any, name: str) -> None:
-    """Prompt reuse cuts the cache back; refuse caches that cannot be cut or replayed."""
-    bad = sorted({type(c).__name__ for c in make_prompt_cache(net) if not _trimmable(c)})
-    if bad:
-        raise SpecdeckError(
-            f"{name} keeps a cache that cannot be cut back to an earlier length ({', '.join(bad)}"
-            "): speculative decoding and prompt reuse need that. Recurrent layers are not "
-            "supported on MLX yet; use --backend torch or an attention-only model")
-
-
-def _trimmable(cache: Any) -> bool:
-    # a rotating (sliding-window) cache stops being trimmable once its window fills, mid-chat;
-    # its session replays the tokens there instead (plain decoding only: ROTATING)
-    return isinstance(cache, RotatingKVCache) or (cache.is_trimmable()
-                                                  and hasattr(cache, "offset"))
+def _capabilities(cache: list[Any], no_trees: str) -> Capabilities:
+    """Every cache layer rewinds (rewind.py); a window or a state verifies chains only."""
+    if mlx_rewind.stateful(cache):
+        return Capabilities(rewind=True, hidden_states=True, reason=mlx_rewind.RECURRENT_CHAINS)
+    if any(isinstance(c, RotatingKVCache) for c in cache):
+        return Capabilities(rewind=True, hidden_states=True, reason=mlx_rewind.WINDOW_CHAINS)
+    return Capabilities(rewind=True, hidden_states=True, tree_attention=not no_trees,
+                        reason=no_trees)
 
 
 def _hook(layer: Any, index: int) -> None:

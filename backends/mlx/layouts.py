@@ -1,0 +1,98 @@
+"""Config and weight layouts mlx-lm 0.32 misreads, put in the shape it reads: transformers 5's
+nested rope_parameters and layer_types, the text-only Qwen3.5 layout (model_type
+qwen3_5_text, `model.*` tensors) beside the multimodal one it expects (qwen3_5 with a
+text_config, `model.language_model.*`, `mtp.*` beside them), per-expert MoE tensors.
+
+Knows: config keys and tensor names of the families mlx-lm loads. Must not know: caches,
+sessions, drafting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes  # load_model's own default, wrapped below
+
+# text-only model types transformers 5 writes, and the mlx-lm module reading them as a
+# text_config-less config
+_TEXT_ONLY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def config_fixes(config: dict[str, Any]) -> dict[str, Any]:
+    """The keys to override in config so that mlx-lm builds the model transformers would."""
+    fixes = {"model_type": _TEXT_ONLY[config["model_type"]]} \
+        if config.get("model_type") in _TEXT_ONLY else {}
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        return fixes | {"text_config": text | _text_fixes(text)}
+    return fixes | _text_fixes(config)
+
+
+def _text_fixes(config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys mlx-lm reads but transformers 5 nests in rope_parameters (or writes as
+    layer_types).
+
+    Without them mlx-lm silently falls back to its default rope_theta (10000 for llama,
+    where SmolLM2 needs 100000) and produces wrong logits.
+    """
+    fixes = _layer_pattern(config)
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in config:
+        return fixes
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope and key not in config:
+            fixes[key] = rope[key]
+    if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+        fixes["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return fixes
+
+
+def _layer_pattern(config: dict[str, Any]) -> dict[str, Any]:
+    """Every p-th layer full, from the layer_types transformers 5 writes: mlx-lm reads it as
+    sliding_window_pattern (Gemma 3) or full_attention_interval (Qwen3.5, Qwen3-Next), and
+    its defaults misread other layouts."""
+    types = config.get("layer_types")
+    if not types or "full_attention" not in types:
+        return {}
+    period = types.index("full_attention") + 1
+    if not all((t == "full_attention") == ((i + 1) % period == 0) for i, t in enumerate(types)):
+        return {}
+    key = "full_attention_interval" if "linear_attention" in types else "sliding_window_pattern"
+    return {} if key in config else {key: period}
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx-lm's classes for config; Qwen3.5-MoE's also reads per-expert tensors, as
+    transformers 5 saves them, beside the fused ones mlx-lm expects."""
+    model, args = _get_classes(config)
+    if config.get("model_type") == "qwen3_5_moe":
+        return _fusing_experts(model), args
+    return model, args
+
+
+def _fusing_experts(model: type) -> type:
+    def sanitize(self: Any, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return model.sanitize(self, fuse_experts(weights))
+    return type(model.__name__, (model,), {"sanitize": sanitize})
+
+
+def fuse_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`experts.{e}.{gate,up,down}_proj.weight` stacked into `experts.gate_up_proj` and
+    `experts.down_proj`, the layout of the published Qwen3.5-MoE checkpoints."""
+    groups: dict[str, dict[str, dict[int, mx.array]]] = {}
+    out = {}
+    for name, value in weights.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = value
+        else:
+            prefix, expert, part = match.groups()
+            groups.setdefault(prefix, {}).setdefault(part, {})[int(expert)] = value
+    for prefix, parts in groups.items():
+        stack = {part: mx.stack([rows[e] for e in sorted(rows)]) for part, rows in parts.items()}
+        out[f"{prefix}.gate_up_proj"] = mx.concatenate([stack["gate"], stack["up"]], axis=-2)
+        out[f"{prefix}.down_proj"] = stack["down"]
+    return out

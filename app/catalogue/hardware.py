@@ -73,8 +73,8 @@ def _gguf_runs_here() -> bool:
     without importing torch: kquant needs AVX512-VNNI, ggml llama-cpp-python; both a compiler."""
     import importlib.util
 
+    from backends.cbuild import compiler
     from backends.cpu import cpu_has_w4a8
-    from backends.torch.cbuild import compiler
 
     kernel = cpu_has_w4a8() or importlib.util.find_spec("llama_cpp") is not None
     return kernel and compiler() is not None

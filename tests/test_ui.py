@@ -609,9 +609,11 @@ def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
     assert "not downloaded" in card
 
 
-def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(empty_home):
+def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(empty_home,
+                                                                            monkeypatch):
     from app.ui.models import catalogue_frame, pair_details
 
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: True)  # a bf16 KV cache
     bench = Workbench(backend="torch", device="cpu")
     card = pair_details(bench, "qwen3-4b+dspark")
     for label in ("drafter weights", "verify state", "KV per token", "servable context"):

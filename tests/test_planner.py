@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,12 +16,26 @@ from app import store
 from app.catalogue import hardware, planner, preference, sizing, target_info
 from app.catalogue.registry import load_catalogue
 from app.catalogue.sizing import Sizing
+from app.core.protocols import Runs
 from app.core.types import SpecdeckError
 from app.store.cli import models_table
+from backends.torch import RUNS as TORCH_RUNS
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 GB = 10**9
-ALL_KINDS = frozenset({"ngram", "lookahead", "draft", "eagle3", "dflash", "medusa", "mtp"})
+
+
+def building(*kinds: str) -> Runs:
+    """torch's declaration, as a backend that builds only these kinds (those that need
+    nothing run everywhere)."""
+    return replace(TORCH_RUNS, backend="partial", builds=frozenset(kinds))
+
+
+def refused_as_unbuilt(plan) -> set[str]:
+    return {o.kind for o in plan.refused
+            if o.reason.startswith(f"drafter {o.kind!r} runs on the torch backend only")}
+
+
 
 
 @pytest.fixture(scope="module")
@@ -171,24 +186,25 @@ def test_parse_bytes_reads_the_usual_units():
 # ---- choices ---------------------------------------------------------------------------
 
 
-def test_a_target_with_mtp_layers_drafts_with_them_when_mtp_is_implemented(tmp_path):
+def test_a_target_with_mtp_layers_drafts_with_them(tmp_path):
     folder = model_folder(tmp_path, "mimo-7b-rl", params=1000)
-    plan = planner.plan(str(folder), "torch", "cuda", 80 * GB, implemented=ALL_KINDS)
+    plan = planner.plan(str(folder), "torch", "cuda", 80 * GB)
     assert plan.choice.kind == "mtp" and "1 native MTP layer" in plan.choice.reason
     assert plan.fit.drafter_weights_bytes == 0  # the MTP layer lives in the target's weights
     assert plan.fit.drafter_kv_per_token == 1 * 8 * 128 * 2 * 2
 
 
-def test_mtp_layers_are_refused_with_needs_mtp_where_it_is_not_implemented(tmp_path):
+def test_mtp_layers_are_refused_with_the_reason_where_the_backend_does_not_build_mtp(
+        tmp_path):
     plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
-                        "cuda", 80 * GB, implemented=ALL_KINDS - {"mtp"})
+                        "cuda", 80 * GB, runs=building(*TORCH_RUNS.builds - {"mtp"}))
     assert plan.choice.kind == "lookahead"  # on CUDA the model-free tree comes before lookup
-    assert [(o.kind, o.reason.split(":")[0]) for o in plan.refused] == [("mtp", "needs mtp")]
+    assert [o.kind for o in plan.refused] == ["mtp"] and refused_as_unbuilt(plan) == {"mtp"}
 
 
 def test_a_listed_head_is_preferred_to_the_draft_model_when_it_fits(catalogue):
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
-                        implemented=ALL_KINDS)
+                        runs=building(*TORCH_RUNS.builds - {"dspark"}))
     assert (plan.choice.kind, plan.choice.model.id) == ("dflash", "dflash-qwen3-4b")
     assert plan.choice.pair_id == "qwen3-4b+dflash" and plan.choice.k == 15
     assert "trained for this target" in plan.choice.reason
@@ -198,28 +214,29 @@ def test_a_head_that_does_not_fit_is_refused_and_a_lighter_one_is_chosen(catalog
     # target 8.04 GB + 4096 tokens of KV 0.60 GB; EAGLE-3 adds 0.46 GB, DFlash 1.16 GB; the
     # runtime 0.42 GB
     plan = planner.plan("qwen3-4b", "torch", "cuda", 11 * GB, catalogue=catalogue,
-                        implemented=ALL_KINDS)
+                        runs=building(*TORCH_RUNS.builds - {"dspark"}))
     assert plan.choice.kind == "eagle3"
     dflash = next(o for o in plan.refused if o.kind == "dflash")
     assert dflash.reason.startswith("does not fit") and "9.48 GB usable" in dflash.reason
 
 
-def test_heads_are_refused_as_needing_their_kind_and_the_draft_model_is_chosen(catalogue):
+def test_heads_the_backend_does_not_build_are_refused_and_the_draft_model_is_chosen(
+        catalogue):
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
-                        implemented=frozenset({"ngram", "lookahead", "draft"}))
+                        runs=building("draft"))
     assert (plan.choice.kind, plan.choice.model.id) == ("draft", "qwen3-0.6b")
-    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
-        {"dspark": "needs dspark", "dflash": "needs dflash", "eagle3": "needs eagle3"}
+    assert {o.kind for o in plan.refused} == refused_as_unbuilt(plan) == \
+        {"dspark", "dflash", "eagle3"}
     assert plan.reasons()[0] == ("drafter: draft qwen3-0.6b (the catalogue's draft model for "
                                  "this target)")
 
 
-def test_an_eagle3_head_is_chosen_before_the_draft_model_and_dflash_needs_its_kind(catalogue):
+def test_an_eagle3_head_is_chosen_before_the_draft_model_where_dflash_is_not_built(
+        catalogue):
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
-                        implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}))
+                        runs=building("draft", "eagle3"))
     assert (plan.choice.kind, plan.choice.model.id) == ("eagle3", "eagle3-qwen3-4b")
-    assert {o.kind: o.reason.split(":")[0] for o in plan.refused} == \
-        {"dspark": "needs dspark", "dflash": "needs dflash"}
+    assert {o.kind for o in plan.refused} == refused_as_unbuilt(plan) == {"dspark", "dflash"}
     assert plan.reasons()[0].startswith("drafter: eagle3 eagle3-qwen3-4b (trained for this "
                                         "target: ")
 
@@ -261,8 +278,8 @@ def test_when_the_target_alone_does_not_fit_every_model_drafter_is_refused(catal
 
 def test_a_draft_model_that_does_not_fit_beside_the_target_is_refused(catalogue):
     plan = planner.plan("llama3.1-8b-instruct", "torch", "cuda", 20 * GB, catalogue=catalogue,
-                        implemented=frozenset({"none", "ngram", "draft"}))  # no heads
-    assert plan.choice.kind == "ngram" and plan.fit.target_fits
+                        runs=building("draft"))  # no heads
+    assert plan.choice.kind == "lookahead" and plan.fit.target_fits
     refused = {o.model.id: o.reason for o in plan.refused if o.kind == "draft"}
     assert refused["llama3.2-1b-instruct"].startswith("does not fit: its weights and KV cache "
                                                       "need 2.61 GB more")
@@ -360,7 +377,7 @@ def test_a_head_whose_recorded_tau_promises_nothing_is_passed_over_with_the_reas
     head = _trained_eagle3(tmp_path, 1.008)
     installed = {"eagle3-qwen3-4b": head, "qwen3-0.6b": Path("/models/qwen3-0.6b")}
     plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
-                        implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}),
+                        runs=building("draft", "eagle3"),
                         installed=lambda m: installed.get(m.id))
     assert plan.choice.kind == "draft"
     eagle = next(o for o in plan.refused if o.kind == "eagle3")
@@ -372,7 +389,7 @@ def test_a_head_whose_recorded_tau_pays_or_that_has_no_record_is_still_chosen(
     for tau in (1.6, None):
         head = _trained_eagle3(tmp_path, tau)
         plan = planner.plan("qwen3-4b", "torch", "cuda", 40 * GB, catalogue=catalogue,
-                            implemented=frozenset({"ngram", "lookahead", "draft", "eagle3"}),
+                            runs=building("draft", "eagle3"),
                             installed=lambda m, head=head: head if m.id == "eagle3-qwen3-4b"
                             else Path("/models") / m.id)
         assert plan.choice.kind == "eagle3", tau

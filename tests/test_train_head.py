@@ -445,7 +445,7 @@ def test_the_models_tab_trains_a_head_for_the_pairs_target_with_progress(tmp_pat
 
 def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECK_HOME", str(tmp_path / "home"))
-    from app import drafters, store
+    from app import store
     from app.catalogue import planner
     from app.catalogue.registry import load_catalogue
     from app.store import layout
@@ -465,7 +465,6 @@ def test_a_head_trained_for_an_installed_model_is_listed_as_a_pair(tmp_path, mon
     assert row.installed
     assert store.check_model(pair.drafter, "torch").ok
     plan = planner.plan("smollm2-135m-instruct", "torch", "cpu", memory=2**34,
-                        implemented=drafters.IMPLEMENTED,
                         installed=lambda m: store.model_path(m, "torch"))
     assert plan.choice.kind == "eagle3" and plan.choice.path == head_path
 

@@ -609,9 +609,11 @@ def test_pair_card_gives_the_planners_drafter_and_reasons(empty_home):
     assert "not downloaded" in card
 
 
-def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(empty_home):
+def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(empty_home,
+                                                                            monkeypatch):
     from app.ui.models import catalogue_frame, pair_details
 
+    monkeypatch.setattr("backends.cpu.cpu_has_native_bf16", lambda: True)  # a bf16 KV cache
     bench = Workbench(backend="torch", device="cpu")
     card = pair_details(bench, "qwen3-4b+dspark")
     for label in ("drafter weights", "verify state", "KV per token", "servable context"):
@@ -625,13 +627,13 @@ def test_pair_card_and_table_show_the_drafters_memory_and_unverified_sources(emp
     assert table.loc["qwen3-4b+dspark", "KV / token target + drafter"] == "144.0 KiB + 20.0 KiB"
 
 
-def test_a_pair_needing_an_unbuilt_drafter_is_not_downloaded(empty_home, monkeypatch):
-    from app.catalogue import registry
+def test_a_pair_not_for_this_backend_is_not_downloaded(empty_home, monkeypatch):
+    from app.ui import models
 
-    monkeypatch.setattr(registry, "IMPLEMENTED_KINDS", registry.IMPLEMENTED_KINDS - {"dflash"})
+    monkeypatch.setattr(models, "_store_backend", lambda bench: "mlx")  # a torch-only pair
     _, handlers = models_handlers()
     (frame,) = list(handlers.download("qwen3-4b+dflash"))
-    assert "needs dflash" in frame[2]
+    assert "is not for mlx" in frame[2] and "nothing to run" in frame[2]
 
 
 def test_loading_a_pair_that_is_not_downloaded_names_the_pull_command(empty_home):

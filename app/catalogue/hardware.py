@@ -2,7 +2,7 @@
 nvidia-smi for CUDA, about 75% of RAM for MLX's Metal working set), and the dtype a backend
 computes a source in here.
 
-Knows: psutil, nvidia-smi, which kernels build here (without importing torch's modules).
+Knows: psutil, nvidia-smi, which kernels build here (without importing torch or backends.torch).
 Must not know: the catalogue, drafters or the planner's choice.
 """
 
@@ -13,10 +13,9 @@ import shutil
 import subprocess
 
 from app.catalogue.registry import FORMAT_BITS
+from backends.dtype_rule import Probes, Source, auto_dtype
 
 MLX_WORKING_SET = 0.75  # Metal lets a process wire about this share of RAM by default
-W8A8_MAX_BITS = 8.5  # --dtype auto runs a source this coarse as w8a8 (backends/torch)
-INT4_MAX_BITS = 5.0  # and a source this coarse as int4, where torch has the kernel
 INT4_TORCH = (2, 6)  # the first torch with _weight_int4pack_mm_for_cpu
 
 
@@ -30,31 +29,25 @@ def resolve_device(backend: str, device: str = "auto") -> str:
 
 def dtype_for(backend: str, device: str, fmt: str | None = None,
               bits: float | None = None, gguf: bool | None = None) -> str:
-    """The dtype `--dtype auto` loads weights in: MLX float16; on a CPU a GGUF (gguf: the
-    source is one; by default read from fmt) on its own blocks where a kernel for them runs;
-    else, for a source of 5 bits per weight or fewer (a Q4 GGUF), w4a8 with AVX512-VNNI, else
-    int4 where torch has its int4 kernel; w8a8 with VNNI for 8.5 bits or fewer, else bfloat16
-    on CUDA and on CPUs with native bf16, else float32 (backends/torch/backend.py decides the
-    same way, after its exactness checks)."""
-    from backends.cpu import cpu_has_native_bf16, cpu_has_vnni, cpu_has_w4a8
-
+    """The dtype `--dtype auto` loads weights in: MLX float16; torch's by the one rule
+    (backends/dtype_rule.py) asked with what this machine predicts. gguf: the source is one
+    (by default read from fmt); bits: its bits per weight (by default fmt's)."""
     if backend == "mlx":
-        return "float16"
+        return "float16"  # MLX computes every source in float16 (backends/mlx)
     gguf = bool(fmt and fmt.startswith("gguf-")) if gguf is None else gguf
-    if device == "cpu" and gguf and _gguf_runs_here():
-        return "gguf"
     if bits is None and fmt:
         bits = _quant_bits(fmt)
-    four_bit = device == "cpu" and bits is not None and bits <= INT4_MAX_BITS
-    if four_bit and cpu_has_w4a8():
-        return "w4a8"
-    if four_bit and _torch_has_int4():
-        return "int4"
-    if device == "cpu" and bits is not None and bits <= W8A8_MAX_BITS and cpu_has_vnni():
-        return "w8a8"
-    if device.startswith("cuda") or cpu_has_native_bf16():
-        return "bfloat16"
-    return "float32"
+    return auto_dtype(Source(gguf, None, bits), predicted_probes(), device)[0]
+
+
+def predicted_probes() -> Probes:
+    """The rule's probes as this machine predicts them without importing torch: CPU flags,
+    the torch version, a compiler; the loader's exactness checks decide (looked up when asked)."""
+    from backends import cpu
+
+    return Probes(gguf=lambda: _gguf_runs_here(), w4a8=lambda: cpu.cpu_has_w4a8(),
+                  int4=lambda: _torch_has_int4(), w8a8=lambda: cpu.cpu_has_vnni(),
+                  native_bf16=lambda: cpu.cpu_has_native_bf16())
 
 
 def _quant_bits(fmt: str) -> float | None:
@@ -73,8 +66,8 @@ def _gguf_runs_here() -> bool:
     without importing torch: kquant needs AVX512-VNNI, ggml llama-cpp-python; both a compiler."""
     import importlib.util
 
+    from backends.cbuild import compiler
     from backends.cpu import cpu_has_w4a8
-    from backends.torch.cbuild import compiler
 
     kernel = cpu_has_w4a8() or importlib.util.find_spec("llama_cpp") is not None
     return kernel and compiler() is not None

@@ -9,7 +9,7 @@ downloads, array libraries (app/ never imports torch), whether a kind runs on a 
 (app/drafters/kinds.py's check says, as it does for every surface).
 
 API:
-    plan(target, backend, device, memory, context, catalogue, implemented, installed, runs)
+    plan(target, backend, device, memory, context, catalogue, installed, runs)
         -> Plan
         Plan.choice (an Option: kind, model, reason), Plan.refused (each with its reason),
         Plan.passed (usable, but ranked after the choice), Plan.absent (kinds of the order
@@ -28,7 +28,7 @@ from typing import Any
 
 from app.catalogue.hardware import available_memory, dtype_for, resolve_device
 from app.catalogue.preference import DRAFT, HEAD_KINDS, MODEL_FREE, OWN, PREFERENCE, RANKS, SHIPPED
-from app.catalogue.registry import IMPLEMENTED_KINDS, Catalogue, ModelSpec, load_catalogue
+from app.catalogue.registry import Catalogue, ModelSpec, load_catalogue
 from app.catalogue.sizing import (
     Fit,
     Sizing,
@@ -116,11 +116,10 @@ Installed = Callable[[ModelSpec], Path | None]
 
 def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
          memory: int | None = None, context: int = 4096, catalogue: Catalogue | None = None,
-         implemented: frozenset[str] = IMPLEMENTED_KINDS,
          installed: Installed | None = None, runs: Runs | None = None) -> Plan:
-    """The drafter for a target: the first in `preference` order that is implemented,
-    runs here (kinds.check), is available and fits; every other candidate is refused or
-    passed over, with its reason.
+    """The drafter for a target: the first in `preference` order that runs here
+    (kinds.check), is available and fits; every other candidate is refused or passed over,
+    with its reason.
 
     installed: when given, the local path of a drafter model or None when it is not
     downloaded (a drafter that is not downloaded is refused, never fetched silently).
@@ -136,7 +135,7 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
     dtype = dtype_for(backend, device, *_target_source(info, backend),
                       gguf=True if local_gguf else None)  # None: read from the format
     memory = available_memory(backend, device) if memory is None else memory
-    ctx = _Context(info, backend, device, dtype, memory, context, implemented, installed,
+    ctx = _Context(info, backend, device, dtype, memory, context, installed,
                    runs or runs_of(backend))
     refused: list[Option] = []
     usable: list[Option] = []
@@ -150,8 +149,8 @@ def plan(target: str | TargetInfo, backend: str = "torch", device: str = "auto",
         path = installed(candidate.model) if installed and candidate.model else None
         usable.append(Option(candidate.kind, candidate.reason, candidate.model,
                              candidate.pair_id, path, candidate.k))
-    if not usable:  # only when a caller's `implemented` leaves out every model-free kind
-        usable.append(Option("none", "no implemented drafter applies: plain decoding"))
+    if not usable:  # only where the target cannot speculate: every kind is refused
+        usable.append(Option("none", "no drafter applies here: plain decoding"))
     choice, *passed = usable
     return Plan(info, choice, ctx.fit(choice), tuple(refused), tuple(passed),
                 _absent(info, candidates, preference(backend, device)))
@@ -186,7 +185,6 @@ class _Context:
     dtype: str
     memory: int
     context: int
-    implemented: frozenset[str]
     installed: Installed | None
     runs: Runs
 
@@ -212,8 +210,6 @@ class _Context:
 
     def problem(self, option: Option) -> str:
         """Why this drafter cannot be used here, or '' when it can."""
-        if option.kind not in self.implemented:
-            return f"needs {option.kind}: specdeck does not run this drafter kind yet"
         refusal = check(option.kind, self.runs)
         if refusal is not None:
             return refusal.message

@@ -1,6 +1,6 @@
 """Read and validate models.yaml into frozen specs: ModelSpec, PairSpec and their sources.
 
-Knows: the catalogue's schema, the drafter kinds and which of them specdeck implements, and
+Knows: the catalogue's schema, the drafter kinds (a pair naming another is refused), and
 how to point at a mistake (file, line, field). Must not know: downloads (app/store/),
 memory (app/catalogue/planner.py), array libraries.
 
@@ -9,9 +9,7 @@ API: `load_catalogue(path=None) -> Catalogue` (the shipped models.yaml by defaul
 `Catalogue.model(model_id)`; `Catalogue.draft_models_for(model)` (same family, smaller).
 Heads trained here (`specdeck train-head`) are listed in SPECDECK_HOME/trained.yaml, read after
 the shipped catalogue (same schema; their models have a `local` source: nothing to download).
-`PairSpec.status_note` is "" for a runnable pair and "needs <kind>" for a drafter kind
-this build does not implement (IMPLEMENTED_KINDS): such pairs are shown, never treated as
-broken. A hub source may carry `unverified: <why>` (its id or files could not be checked from
+A hub source may carry `unverified: <why>` (its id or files could not be checked from
 here); `PairSpec.unverified(backend)` lists them, and `specdeck models` shows them.
 """
 
@@ -37,7 +35,6 @@ TRAINED_CATALOGUE = "trained.yaml"  # under SPECDECK_HOME, written by `specdeck 
 BACKENDS = ("torch", "mlx")
 KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists them
 MODEL_KINDS = drafters.OWN_MODEL
-IMPLEMENTED_KINDS = drafters.IMPLEMENTED
 # bits per parameter on disk, to estimate a download whose exact size is not listed
 FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,
                "gguf-q4_k_m": 5.8, "gguf-q4_1": 5.9, "mlx-4bit": 4.5}
@@ -156,14 +153,6 @@ class PairSpec:
     k: int
     backends: tuple[str, ...]
     license: str
-
-    @property
-    def implemented(self) -> bool:
-        return self.drafter_kind in IMPLEMENTED_KINDS
-
-    @property
-    def status_note(self) -> str:
-        return "" if self.implemented else f"needs {self.drafter_kind}"
 
     @property
     def models(self) -> tuple[ModelSpec, ...]:

@@ -34,7 +34,6 @@ from app.drafters.suffix import HistorySource, SuffixDrafter
 __all__ = ["LOOKUP_FIRST", "TREE_SUFFIX"]
 
 KINDS = NAMES  # every kind, in the order menus list them
-IMPLEMENTED = frozenset(NAMES)
 NEEDS_DRAFT_MODEL = frozenset(k.name for k in BY_NAME.values() if k.needs == DRAFT_MODEL)
 HEADS = frozenset(k.name for k in BY_NAME.values() if k.needs == HEAD)  # --draft is a folder
 TREES = TREE_MENU  # kinds that draft trees when asked (--tree, "<kind>:tree")

@@ -22,7 +22,6 @@ import sys
 import threading
 from typing import Any
 
-from app import drafters
 from app.core.types import SpecdeckError
 from app.flags import DEFAULT_K, add_model_arguments
 from app.runtime import compute
@@ -220,7 +219,7 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
     listed = []
     for row in rows:
         plan = planner.plan(row.pair.id, backend, args.device, memory=budget,
-                            catalogue=catalogue, implemented=drafters.IMPLEMENTED,
+                            catalogue=catalogue,
                             installed=lambda model: store.model_path(model, backend))
         drafter = args.drafter if args.drafter != "auto" else plan.choice.label
         reason = "--drafter" if drafter == args.drafter else plan.choice.reason

@@ -205,7 +205,7 @@ def list_pairs(backend: str | None = None, device: str = "auto", memory: int | N
     rows = []
     for pair in catalogue.pairs.values():
         runs = backend in pair.backends
-        note = pair.status_note or ("" if runs else f"not for {backend}")
+        note = "" if runs else f"not for {backend}"
         sizes = [_download_bytes(m, backend) for m in pair.models] if runs else [(0, False)]
         fit = sizing.pair_fit(pair, backend, device, memory, context) if runs else None
         plan = planner.plan(pair.target.id, backend, device, memory, context, catalogue,

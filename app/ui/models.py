@@ -55,8 +55,7 @@ def load_pair(bench: Workbench, pair_id: str,
     status = pair_status(pair_id, bench)
     pair = status.pair
     if status.note:
-        raise SpecdeckError(f"pair {pair_id} {status.note}: that drafter kind is not built "
-                            "yet; pick another pair")
+        raise SpecdeckError(f"pair {pair_id} is {status.note}: pick another pair")
     progress("checking the files")
     target, draft = store.installed_paths(pair_id, _store_backend(bench))
     drafter = f" {pair.drafter.id}" if pair.drafter else ""
@@ -243,8 +242,8 @@ class ModelsHandlers:
             yield gr.skip(), gr.skip(), notice(str(error))
             return
         if status.note:
-            yield gr.skip(), gr.skip(), notice(f"{pair_id} {status.note}: that drafter kind is "
-                                               "not built yet, so there is nothing to run")
+            yield gr.skip(), gr.skip(), notice(f"{pair_id} is {status.note}, so there is "
+                                               "nothing to run here")
             return
         backend = _store_backend(self.bench)
         job = Background(lambda report: store.pull(pair_id, progress=report, backend=backend,

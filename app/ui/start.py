@@ -35,7 +35,7 @@ def installed_pairs(backend: str) -> tuple[str, ...]:
     from app.catalogue.registry import load_catalogue
 
     return tuple(p.id for p in load_catalogue().pairs.values()
-                 if backend in p.backends and not p.status_note and store.is_installed(p, backend))
+                 if backend in p.backends and store.is_installed(p, backend))
 
 
 def choose_start(backend: str, pair: str | None = None) -> StartChoice:

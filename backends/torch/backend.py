@@ -33,6 +33,7 @@ from app.core.types import SpecdeckError
 from app.drafters.kinds import require_built
 from backends.builder_table import build
 from backends.cpu import cpu_has_native_bf16
+from backends.dtype_rule import Probes, Source, auto_dtype
 from backends.gguf import CONVERTED_SUFFIX, metadata_folder
 from backends.gguf_header import file_type
 from backends.torch import BUILDERS, RUNS, gguf_model, w4a8
@@ -80,12 +81,10 @@ _DTYPES = {"int8": torch.bfloat16, "w8a8": torch.bfloat16, "int4": torch.bfloat1
 BATCH_INVARIANT_ROWS = 2
 # layer types that keep nothing between tokens (NemotronH's MLP and MoE blocks)
 STATELESS = ("mlp", "moe")
-# int4's bits per weight: 4-bit codes plus a bf16 scale and zero per group of 32
-INT4_BITS = 5.0
-# whether auto may pick int4 for a source of INT4_BITS or fewer: measured in one bench run
-# against llama.cpp plain as the common yardstick (Qwen2.5-Coder-1.5B Q4_K_M, HumanEval, 96
-# tokens, 2-core Xeon): plain end to end 0.89x llama.cpp's in int4 (its prompt on the 8-bit
-# copy), 0.76x in w8a8; a 1-token forward 97 ms against 133 ms
+# whether auto may pick int4 for a 4-bit source (dtype_rule.FOUR_BIT_MAX_BITS): measured in
+# one bench run against llama.cpp plain as the common yardstick (Qwen2.5-Coder-1.5B Q4_K_M,
+# HumanEval, 96 tokens, 2-core Xeon): plain end to end 0.89x llama.cpp's in int4 (its prompt
+# on the 8-bit copy), 0.76x in w8a8; a 1-token forward 97 ms against 133 ms
 AUTO_INT4 = True
 
 
@@ -101,11 +100,10 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    # bf16 where the CPU computes it natively: plain decoding ran 2.1x faster than fp32 here and
-    # a forward over 8 tokens cost 1.13x one token (fp32: 2x); padded forwards keep it exact
+    # an unquantized source: a forward over 8 bf16 tokens cost 1.13x one token (fp32: 2x),
+    # and padded forwards keep it exact
     if dtype == "auto":
-        native = device.startswith("cuda") or cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
+        return _DTYPES[auto_dtype(Source(), measured_probes(), device)[0]]
     if dtype not in _DTYPES:
         raise SpecdeckError(f"unknown dtype {dtype!r}: use auto, gguf, float32, bfloat16, "
                             "float16, int8, w8a8, int4 or w4a8")
@@ -133,31 +131,20 @@ def cache_kwarg(hf: Any) -> str:
 
 
 def auto_cpu_dtype(path: Path) -> tuple[str, str]:
-    """(dtype, why) for --dtype auto on the CPU: the fastest mode whose weights are no coarser
-    than the source's and whose kernels are exact on this CPU (measured on the Qwen pair, plain
-    decoding: see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
-    source = file_type(path) if path.suffix == ".gguf" else None
-    if path.suffix == ".gguf" and gguf_model.unavailable_reason() is None:
-        name = source[0] if source else "GGUF"
-        return "gguf", (f"gguf: the file's own {name} blocks times 8-bit activations, as "
-                        "llama.cpp computes them: the model you downloaded, nothing converted")
-    if source is None:
-        base = "bfloat16" if cpu_has_native_bf16() else "float32"
-        return base, f"{base}: a 16-bit or wider source stays unquantized"
-    name, bits = source
-    if bits and bits <= INT4_BITS and w4a8.is_exact():
-        return "w4a8", (f"w4a8: the {name} source has {bits} bits per weight; 4-bit weights "
-                        "times 8-bit activations (as llama.cpp runs it) decode fastest and "
-                        "passed the row check on this CPU")
-    if AUTO_INT4 and bits and bits <= INT4_BITS and int4_is_available() and int4_is_exact():
-        return "int4", (f"int4: the {name} source has {bits} bits per weight; 4-bit weights "
-                        "(groups of 32) decode fastest and passed the row check on this CPU")
-    if bits and bits <= 8.5 and w8a8_is_exact():
-        return "w8a8", (f"w8a8: the {name} source has {bits} bits per weight; int8 weights "
-                        "and activations pass the exactness check on this CPU")
-    base = "bfloat16" if cpu_has_native_bf16() else "float32"
-    return base, f"{base}: the {name} source is finer than 8 bits per weight, or no int8 " \
-                 "matmul is exact on this CPU"
+    """(dtype, why) for --dtype auto on the CPU: the one rule (backends/dtype_rule.py) asked
+    with this CPU's measured exactness (see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
+    gguf = path.suffix == ".gguf"
+    name, bits = (file_type(path) if gguf else None) or (None, None)
+    return auto_dtype(Source(gguf, name, bits), measured_probes())
+
+
+def measured_probes() -> Probes:
+    """The rule's probes answered by this backend's own load checks, looked up when asked."""
+    return Probes(gguf=lambda: gguf_model.unavailable_reason() is None,
+                  w4a8=lambda: w4a8.is_exact(),
+                  int4=lambda: AUTO_INT4 and int4_is_available() and int4_is_exact(),
+                  w8a8=lambda: w8a8_is_exact(),
+                  native_bf16=lambda: cpu_has_native_bf16())
 
 
 class TorchModel:

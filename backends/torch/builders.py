@@ -1,5 +1,6 @@
 """The torch backend's drafter builders, one a kind (backends/torch/__init__.py's BUILDERS
-names them): each takes a DrafterRequest already checked by kinds.require_built.
+names them): each takes a DrafterRequest already checked by kinds.require_built; those built
+alike on every backend are made by backends/builder_table.py from the loader named here.
 
 Knows: each kind's loader and what a target lends a head. Must not know: which kinds exist
 beyond its table, or whether a kind runs on a target (kinds.check says).
@@ -10,39 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from app.core.protocols import DrafterRequest
+from backends.builder_table import draft_model_builder, head_builder, own_layers_builder
 from backends.torch.backend import FOUR_BIT, QUANTIZED
 from backends.torch.quantize import quantize_linears
 
-
-def draft_model(request: DrafterRequest) -> Any:
-    from app.drafters.draft_model import DraftModelDrafter
-
-    return DraftModelDrafter(request.target, request.draft, vocab_limit=request.vocab_limit)
-
-
-def mtp(request: DrafterRequest) -> Any:
-    """The target's own MTP layers (a SpecdeckError when it has none)."""
-    from backends.torch.heads.mtp import load_mtp_drafter
-
-    return load_mtp_drafter(request.target)
-
-
-def dflash(request: DrafterRequest) -> Any:
-    from backends.torch.heads.dflash import load_dflash_drafter
-
-    return load_dflash_drafter(request.target, request.head)
-
-
-def dspark(request: DrafterRequest) -> Any:
-    from backends.torch.heads.dspark import load_dspark_drafter
-
-    return load_dspark_drafter(request.target, request.head)
-
-
-def medusa(request: DrafterRequest) -> Any:
-    from backends.torch.heads.medusa import load_medusa_drafter
-
-    return load_medusa_drafter(request.target, request.head)
+draft_model = draft_model_builder("app.drafters.draft_model", "DraftModelDrafter")
+mtp = own_layers_builder("backends.torch.heads.mtp", "load_mtp_drafter")
+dflash = head_builder("backends.torch.heads.dflash", "load_dflash_drafter")
+dspark = head_builder("backends.torch.heads.dspark", "load_dspark_drafter")
+medusa = head_builder("backends.torch.heads.medusa", "load_medusa_drafter")
 
 
 def eagle(request: DrafterRequest) -> Any:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.torch.cbuild import build, compiler, loads
+from backends.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "ggml_linear.c"
 _FLAGS = ("-O2", "-fPIC", "-shared", "-fopenmp")

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.cbuild import build, compiler, loads
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",

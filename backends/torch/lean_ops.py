@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from backends.cbuild import build, compiler, loads
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler, loads
 
 _SOURCE = Path(__file__).parent / "kernels" / "lean_ops.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")

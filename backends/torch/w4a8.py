@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from backends.cbuild import build, compiler, loads
 from backends.cpu import cpu_has_w4a8
-from backends.torch.cbuild import build, compiler, loads
 from backends.torch.quant import bf16_bias, quantize_weight_int4, rows_are_invariant
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"

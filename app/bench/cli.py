@@ -79,6 +79,11 @@ def add_subcommand(subparsers: Any) -> None:
     p.add_argument("--verify-cost", metavar="ROWS",
                    help="also time one target forward of each row count (e.g. 1-9) after a "
                         "prompt: what verifying k + 1 rows costs here")
+    p.add_argument("--streams", metavar="N,N,...",
+                   help="the verdict table: every configuration serving N streams at once for "
+                        "each count (e.g. 1,2,4,8): aggregate tok/s, TPOT and TTFT "
+                        "percentiles, servable context, maximum streams, peak RSS; with "
+                        "--compare llama.cpp, llama-server --parallel N beside each")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a speedup chart (needs matplotlib)")
     add_remote_arguments(p)
@@ -144,6 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
     if trained:
         _stderr(f"leaving out the {len(trained)} prompts the head was trained on "
                 f"({settings.head}/{training_prompts.PROMPTS_FILE})")
+    if args.streams:
+        return _streams_bench(args, settings, prompts, target_path, draft_path, compare)
     remote = _remote_runners(args, _stderr)  # before minutes of loading: a bad URL fails now
     llama = None
     try:
@@ -170,6 +177,89 @@ def _bench(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
     print(json.dumps(summary_line(report), ensure_ascii=False))
     return 0
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """--streams: stream counts, each >= 1, in increasing order."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise SpecdeckError(f"--streams takes a comma list of counts >= 1 (got {text!r}): "
+                            "e.g. --streams 1,2,4,8")
+    return tuple(sorted({int(t) for t in items}))
+
+
+def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
+                   prompts: Sequence[BenchPrompt], target_path: str, draft_path: str | None,
+                   compare: set[str]) -> int:
+    """--streams: the verdict table, specdeck's configurations on one scheduler and, asked,
+    llama-server --parallel N on the same GGUF files."""
+    from app.bench import verdict
+    from app.bench.run import _chat_default, _encode
+    from backends import load_backend
+
+    counts = parse_counts(args.streams)
+    if args.remote or args.compare_hf or args.compare_backend or args.compare_dtype:
+        raise SpecdeckError("--streams runs specdeck's scheduler (and --compare llama.cpp): "
+                            "drop --remote, --compare-hf, --compare-backend and --compare-dtype")
+    backend = load_backend(args.backend)
+    _stderr(f"loading target {target_path}")
+    target = backend.load(target_path, device=args.device, dtype=args.dtype)
+    draft = None
+    if draft_path and (NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters):
+        _stderr(f"loading draft {draft_path}")
+        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
+    chat = _chat_default(target, settings.chat)
+    encoded, _ = _encode(target, _spread(prompts), chat, settings.max_new_tokens)
+    ids = [e[1] for e in encoded][:max(counts)]
+    sources, unavailable = verdict.local_sources(target, settings, backend, draft, max(counts),
+                                                 _stderr)
+    llama = None
+    try:
+        if "llama.cpp" in compare:
+            llama = _llama_streams(args, target_path, draft_path, counts)
+            sources += llama.sources
+            unavailable.update(llama.unavailable)
+        params = SamplingParams(temperature=settings.temperature,
+                                max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+        result = verdict.run_verdict(sources, ids, counts, params, settings.repeats, _stderr)
+    finally:
+        if llama is not None:
+            llama.close()
+    report = verdict.verdict_report(target, backend, {
+        "target": target.name, "target_path": target_path, "draft_path": draft_path,
+        "pair": args.pair, "streams": list(counts), "prompts": args.prompts,
+        "distinct_prompts": len(ids), "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature, "repeats": settings.repeats, "chat": chat,
+        "llama_cpp": llama.describe() if llama else None}, result, unavailable)
+    print(verdict.format_verdict(report))
+    if args.json_out:
+        _write_json(report, args.json_out)
+    if args.plot:
+        verdict.write_verdict_plot(report, args.plot)
+    return 0
+
+
+def _spread(prompts: Sequence[BenchPrompt]) -> list[BenchPrompt]:
+    """The prompts taken a category at a time, so the first N mix the categories."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    columns = list(by_category.values())
+    return [c[i] for i in range(max(map(len, columns), default=0)) for c in columns
+            if i < len(c)]
+
+
+def _llama_streams(args: argparse.Namespace, target_path: str, draft_path: str | None,
+                   counts: Sequence[int]) -> Any:
+    from app.bench import llamacpp
+
+    target = llamacpp.check_gguf(target_path, "target")
+    draft = llamacpp.check_gguf(draft_path, "draft") if draft_path else None
+    binary = llamacpp.probe(llamacpp.find_server(args.llama_server))
+    _stderr(f"llama.cpp: {binary.path} ({binary.version})")
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return llamacpp.LlamaStreams(binary, target, draft, counts, threads, log=_stderr)
 
 
 def _usable_kinds(args: argparse.Namespace, target: str, draft_path: str | None,

@@ -180,10 +180,12 @@ class LlamaServer:
 
 
 def server_args(binary: ServerBinary, model: str, port: int, threads: int,
-                draft: str | None = None) -> list[str]:
-    """The command line of one server: one slot, this many threads, the draft model if any."""
+                draft: str | None = None, parallel: int = 1) -> list[str]:
+    """The command line of one server: `parallel` slots of CONTEXT tokens each (llama-server
+    splits --ctx-size among them), this many threads, the draft model if any."""
     args = [binary.path, "--model", model, "--host", "127.0.0.1", "--port", str(port),
-            "--ctx-size", str(CONTEXT), "--parallel", "1", "--threads", str(threads),
+            "--ctx-size", str(CONTEXT * parallel), "--parallel", str(parallel),
+            "--threads", str(threads),
             *binary.quiet]
     if draft is not None:
         args += [binary.flags.model, draft, *binary.flags.spec_type]
@@ -339,3 +341,67 @@ def check_gguf(path: str | None, role: str) -> str | None:
                             f"and {path} is not one: give --{role} FILE.gguf, or a --pair "
                             "whose models are GGUF files")
     return path
+
+
+class LlamaStreams:
+    """llama-server beside `bench --streams`: per stream count n, a server started with
+    --parallel n (plain, and with the draft model), a client per stream; close() stops them.
+    One server runs at a time: each is started for its rounds and stopped after them would
+    cost a load per round, so they all stay up, idle ones costing memory, not compute."""
+
+    def __init__(self, binary: ServerBinary, target: str, draft: str | None,
+                 counts: Sequence[int], threads: int, log: Any = None) -> None:
+        from app.bench.verdict import RemoteSource
+
+        self.binary = binary
+        self.sources: list[Any] = []
+        self.unavailable: dict[str, str] = {}
+        self._stack = ExitStack()
+        self._tmp = tempfile.TemporaryDirectory(prefix="specdeck-llama-")
+        log = log or (lambda _m: None)
+        try:
+            for name, model_draft in (("llama.cpp plain", None), ("llama.cpp draft", draft)):
+                if name.endswith("draft") and draft is None:
+                    self.unavailable[name] = "needs a draft model (--draft or --pair)"
+                    continue
+                servers, clients = self._servers(name, target, model_draft, counts, threads, log)
+                if servers:
+                    self.sources.append(RemoteSource(name, servers, clients))
+        except BaseException:
+            self.close()
+            raise
+
+    def _servers(self, name: str, target: str, draft: str | None, counts: Sequence[int],
+                 threads: int, log: Any) -> tuple[dict[int, LlamaServer], dict[int, list[Any]]]:
+        from app.serve.remote_engine import connect
+
+        servers: dict[int, LlamaServer] = {}
+        clients: dict[int, list[Any]] = {}
+        for n in counts:
+            args = server_args(self.binary, target, free_port(), threads, draft, parallel=n)
+            log(f"starting llama-server ({name}, -np {n}): {' '.join(args)}")
+            try:
+                server = start_server(self.binary, args,
+                                      Path(self._tmp.name) / f"{name.replace(' ', '-')}-{n}.log")
+            except SpecdeckError as error:
+                if draft is None:
+                    raise
+                self.unavailable[name] = str(error)  # e.g. a vocabulary llama.cpp refuses
+                return {}, {}
+            self._stack.callback(server.stop)
+            servers[n] = server
+            clients[n] = []
+            for _ in range(n):
+                client = connect(server.url, engine="llama.cpp", extra=SAME_SAMPLER)
+                self._stack.callback(client.close)
+                clients[n].append(client)
+        return servers, clients
+
+    def describe(self) -> dict[str, Any]:
+        return {"binary": self.binary.path, "version": self.binary.version,
+                "commands": {f"{s.name} -np {n}": [str(a) for a in server.process.args]
+                             for s in self.sources for n, server in s.servers.items()}}
+
+    def close(self) -> None:
+        self._stack.close()
+        self._tmp.cleanup()

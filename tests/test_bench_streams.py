@@ -1,0 +1,73 @@
+"""`specdeck bench --streams`: the verdict table measures N streams at once for every
+configuration, and its identity column is a check that can fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.bench import verdict
+from app.cli import main
+from tests.test_bench import word_prompts, write_jsonl
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    model = tiny_llama(seed=1)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.hf.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_verdict_table_has_a_row_per_configuration_and_count_all_identical_to_solo(
+        tiny_folder, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", word_prompts(4))
+    out, plot = tmp_path / "verdict.json", tmp_path / "verdict.png"
+    code = main(["bench", "--target", str(tiny_folder), "--draft", str(tiny_folder),
+                 "--dtype", "bfloat16", "--draft-dtype", "bfloat16",
+                 "--drafters", "ngram,draft", "--k", "3", "--streams", "1,3",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--repeats", "2",
+                 "--json", str(out), "--plot", str(plot)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "x solo" in printed and "TPOT p50/p95 ms" in printed
+    report = json.loads(out.read_text())
+    rows = {(r["config"], r["streams"]): r for r in report["rows"]}
+    assert set(rows) == {(c, n) for c in ("plain", "ngram k=3", "draft k=3") for n in (1, 3)}
+    for (_, n), row in rows.items():
+        assert row["errors"] == 0
+        assert row["identical"] == f"{2 * n}/{2 * n}"  # two repeats of n streams each
+        assert row["aggregate_tok_s"] > 0 and row["solo_tok_s"] > 0
+        assert row["ttft_ms_p50"] <= row["ttft_ms_p95"]
+    assert len(report["rounds"]) == 2 * 2 * 3  # repeats x counts x configurations
+    assert report["machine"]["cpu"]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_stream_that_parts_from_its_solo_tokens_is_counted_as_not_identical():
+    source = verdict.Source()
+    source.name, source.family = "plain", "specdeck"
+    same = verdict.StreamResult(0, (1, 2, 3), 0.1, 0.3, None)
+    other = verdict.StreamResult(1, (4, 5, 7), 0.1, 0.3, None)
+    rounds = [verdict.Round("plain", 2, 0, 0.5, (same, other), None)]
+    row = verdict.table([source], rounds, {"specdeck": [(1, 2, 3), (4, 5, 6)]}, greedy=True)[0]
+    assert row["identical"] == "1/2"
+    assert row["aggregate_tok_s"] == pytest.approx(12.0)
+    assert row["tpot_ms_p50"] == pytest.approx(100.0)
+
+
+def test_each_repeat_starts_its_streams_on_further_prompts():
+    prompts = [[1], [2], [3]]
+    assert [i for i, _ in verdict.assignment(prompts, 2, 0)] == [0, 1]
+    assert [i for i, _ in verdict.assignment(prompts, 2, 1)] == [2, 0]
+
+
+@pytest.mark.parametrize("counts", ["0", "two", ""])
+def test_bad_stream_counts_exit_2_naming_the_fix(tiny_folder, capsys, counts):
+    assert main(["bench", "--target", str(tiny_folder), "--streams", counts or ",",
+                 "--max-new-tokens", "4"]) == 2
+    assert "--streams takes a comma list of counts >= 1" in capsys.readouterr().err

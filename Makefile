@@ -9,7 +9,7 @@ PAIR ?= qwen2.5-coder-1.5b+0.5b
 # elsewhere any torch >= 2.4 does.
 TORCH ?= $(shell if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null; then echo "torch==2.13.0"; else echo "torch>=2.4"; fi)
 
-.PHONY: run test check lint clean browser soak llamacpp
+.PHONY: run test check lint clean browser soak soak-streams llamacpp
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ test: $(VENV)/.installed $(VENV)/.installed-mlx $(VENV)/.installed-llamacpp brow
 
 # the markers of pyproject.toml, each deselected (tests/test_tiers.py holds the two to each
 # other); every test still runs in `make test` and CI
-CHECK_MARKS := not slow and not soak and not browser and not llamacpp and not heavy
+CHECK_MARKS := not slow and not soak and not browser and not llamacpp and not hours and not heavy
 check: $(VENV)/.installed $(VENV)/.installed-mlx
 	$(PY) -m ruff check app backends tests
 	$(PY) -m pytest -q -ra -m "$(CHECK_MARKS)"
@@ -49,6 +49,14 @@ check: $(VENV)/.installed $(VENV)/.installed-mlx
 # issue 16's soak alone (1,000 requests, 4 clients, random disconnects), with its numbers
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -s -m soak tests/test_soak.py
+
+# issue 47's streams soak: 8 clients of `serve --parallel 8` on the default pair, SOAK_S
+# seconds after a minute's warm-up (set SOAK_S=21600 for six hours)
+SOAK_S ?= 600
+soak-streams: $(VENV)/.installed
+	$(VENV)/bin/specdeck pull $(PAIR)
+	SPECDECK_SOAK_S=$(SOAK_S) SPECDECK_SOAK_PAIR=$(PAIR) $(PY) -m pytest -q -s -m hours \
+	  tests/test_soak_streams.py
 
 # llama.cpp for `--backend llamacpp` (llama-cpp-python) and llama-server for `bench --compare
 # llama.cpp`, with their slow tests. Portable flags, never

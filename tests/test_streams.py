@@ -76,6 +76,22 @@ def test_every_stream_under_load_gives_its_solo_tokens_plain_and_speculative(mod
     assert sum(d.stats.drafted for d in dones) > 0
 
 
+def test_greedy_streams_draft_together_and_sampled_ones_draft_alone(models):
+    """A greedy stream's draft forwards join one forward of the draft model (the target's
+    verify decides every token); a sampled stream's run alone (its q feeds seeded draws)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    streams = _scheduler(models, slots=3)
+    requests = [streams.submit(_request(p, "draft", 3, greedy)) for p in PROMPTS[:3]]
+    for prompt, request in zip(PROMPTS, requests):
+        assert _done(request).token_ids == _solo(models, prompt, "draft", 3, greedy).token_ids
+    assert streams.draft_rows > streams.draft_batches > 0
+    seeded = SamplingParams(temperature=1.0, seed=3, max_new_tokens=8)
+    streams = _scheduler(models, slots=2)
+    for request in [streams.submit(_request(p, "draft", 3, seeded)) for p in PROMPTS[:2]]:
+        assert _done(request).stop_reason == "length"
+    assert streams.draft_batches == 0
+
+
 def test_a_long_prompt_fed_in_pieces_beside_a_decoding_stream_changes_neither(models):
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     long_prompt = [(3 * i) % 40 + 2 for i in range(45)]

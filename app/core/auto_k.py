@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from app.core.adaptive import KController, Load
+from app.core.drafting import Proposal, alone, proposal
 from app.core.protocols import Drafter, Members, ReadsContext
 from app.core.types import Draft
 
@@ -67,6 +68,11 @@ class AutoK:
     def propose(self, context: Sequence[int], cap: int, load: Load | None = None) -> Draft:
         """The step's draft (empty: a plain step); no more than cap tokens. load: what the
         other streams put in the step's forward (batched streams)."""
+        return alone(self.propose_steps(context, cap, load))
+
+    def propose_steps(self, context: Sequence[int], cap: int, load: Load | None = None
+                      ) -> Proposal:
+        """propose, the drafting member's forwards yielded (app/core/drafting.py)."""
         self._asked, self._said, self._drafting = [], [], None
         for _, controller in self._pairs:
             controller.load = load or Load()
@@ -82,7 +88,7 @@ class AutoK:
                 self._said[-1] = k = 0  # its read would cost more than drafting can save
             if k <= 0:
                 continue
-            draft = member.propose(context, k).within(k)
+            draft = (yield from proposal(member, context, k)).within(k)
             if draft.survival:  # the drafter's own estimates say where the gain ends
                 draft = draft.within(controller.cut(draft.survival))
             if draft.tokens:

@@ -20,10 +20,12 @@ import numpy as np
 
 from app.core.adaptive import KController, Load
 from app.core.auto_k import AutoK
+from app.core.drafting import proposal, timed
 from app.core.feed import StepFeed
 from app.core.protocols import (
     Drafter,
     ForwardCall,
+    Forwarded,
     Members,
     Model,
     NoDrafter,
@@ -46,16 +48,6 @@ from app.core.types import (
 from app.core.verify import verify_greedy, verify_sampled
 
 Event = Step | Done
-
-
-@dataclass(frozen=True)
-class Forwarded:
-    """A ForwardCall's answer, sent back into the generation that yielded it: the output,
-    the forward's seconds and its rows (a batched forward's: every stream's)."""
-
-    out: TargetOutput
-    seconds: float
-    rows: int
 
 
 # a generation as a coroutine: it yields its events and the forwards it needs, and is sent
@@ -346,20 +338,22 @@ class SpecEngine:
         """One propose -> verify -> keep -> accept step; returns the committed tokens."""
         n_output = len(context) - tally.n_prompt
         cap = limit - n_output - 1  # never draft past the limit: a step adds a target token
-        t0 = time.perf_counter()
         load = self.load
         tally.streams = 1 + load.streams
+        # a draft model's forwards are yielded too (batched with other streams' drafts);
+        # drafting's seconds are its own, not the time it waited for theirs
         if call.auto is not None:
-            draft = call.auto.propose(context, cap, load)
+            draft, proposing = yield from timed(call.auto.propose_steps(context, cap, load))
             tally.off_steps += call.auto.off
             tally.load_off_steps += call.auto.off_by_load
         else:
             k = min(int(call.k), cap)
-            draft = call.drafter.propose(context, k).within(k) if k > 0 else Draft()
+            draft, proposing = (yield from timed(proposal(call.drafter, context, k))) \
+                if k > 0 else (Draft(), 0.0)
+            draft = draft.within(k)
         tree = draft.is_tree
         if tree and not self.target.capabilities.tree_attention:
             draft, tree = draft.first_chain(), False  # this backend verifies chains only
-        t1 = time.perf_counter()
         n_cached = len(context) - 1
         rows = len(draft.tokens) + 1
         forwarded = yield ForwardCall(self.session, (context[-1], *draft.tokens), rows,
@@ -374,7 +368,7 @@ class SpecEngine:
         t2 = time.perf_counter()
         call.drafter.accept(feed)
         t3 = time.perf_counter()
-        drafting = (t1 - t0) + (t3 - t2)
+        drafting = proposing + (t3 - t2)
         verifying = forwarded.seconds + (t2 - back)  # the forward's own time, and keep's
         tally.draft_s += drafting
         tally.verify_s += verifying

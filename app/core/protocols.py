@@ -98,17 +98,29 @@ class Session(Protocol):
 @dataclass(frozen=True)
 class ForwardCall:
     """One session's forward as a scheduler gathers them (batched streams): Session.forward's
-    arguments, for the session that asked."""
+    arguments, for the session that asked. model: the model the session runs, where it is
+    not the target's (a draft model's forward, batched with other streams' drafts)."""
 
     session: Session
     token_ids: tuple[int, ...]
     n_logits: int = 1
     parents: tuple[int, ...] | None = None
     capture: tuple[int, ...] = ()
+    model: Any = None
 
     def run(self) -> TargetOutput:
         """The call alone, on its own session."""
         return self.session.forward(self.token_ids, self.n_logits, self.parents, self.capture)
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A ForwardCall's answer, sent back into the generation that yielded it: the output,
+    the forward's seconds and its rows (a batched forward's: every stream's)."""
+
+    out: TargetOutput
+    seconds: float
+    rows: int
 
 
 @runtime_checkable

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from app.core.drafting import Proposal, alone, proposal
 from app.core.protocols import Drafter, StepFeed
 from app.core.types import Draft, SamplingParams
 
@@ -32,8 +33,12 @@ class ChainDrafter:
             member.begin(prompt_ids, feed, params, rng)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        return alone(self.propose_steps(context, k))
+
+    def propose_steps(self, context: Sequence[int], k: int) -> Proposal:
+        """propose, a member's forwards yielded (app/core/drafting.py)."""
         for member in self.members:
-            draft = member.propose(context, k)
+            draft = yield from proposal(member, context, k)
             if draft.tokens:
                 return draft if draft.source else replace(draft, source=member.name)
         return Draft()

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.core.protocols import Model, StepFeed, TargetOutput, VocabViews
+from app.core.drafting import Proposal, alone
+from app.core.protocols import BatchForward, ForwardCall, Model, StepFeed, TargetOutput, VocabViews
 from app.core.sampling import sample, warp
 from app.core.types import Draft, SamplingParams, SpecdeckError, common_prefix_length
 from app.drafters.pairing import check_vocab_compatible
@@ -91,6 +92,14 @@ class DraftModelDrafter:
         return self._start if shared and window - shared <= DRAFT_CONTEXT else fresh
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        return alone(self._propose(context, k, stepwise=False))
+
+    def propose_steps(self, context: Sequence[int], k: int) -> Proposal:
+        """propose, its forwards yielded to a scheduler that batches them with other
+        streams' drafts, where the draft model runs batched forwards."""
+        return (yield from self._propose(context, k, isinstance(self.model, BatchForward)))
+
+    def _propose(self, context: Sequence[int], k: int, stepwise: bool) -> Proposal:
         if k <= 0:
             return Draft()
         feed = self._align(context[self._start:])
@@ -98,14 +107,25 @@ class DraftModelDrafter:
         # after steps without drafting, read the missed tokens apart from drafting, so their
         # cost is reported as catch-up (a step normally feeds 1-2 tokens: d_k and the bonus)
         if len(feed) > CATCH_UP_ROWS:
-            t0 = time.perf_counter()
-            self._catch_up(feed[:-1])
+            _, caught_up = yield from self._forward(feed[:-1])
             read, feed = len(feed) - 1, feed[-1:]
-            caught_up = time.perf_counter() - t0
         reads_prompt, self._prompt_unread = self._prompt_unread and caught_up > 0, False
-        tokens, probs = self._draft(feed, k)
+        tokens, probs = (yield from self._draft_steps(feed, k)) if stepwise else \
+            self._draft(feed, k)
         return Draft(tokens=tuple(tokens), probs=probs, source=self.name, catch_up_s=caught_up,
                      catch_up_rows=read, reads_prompt=reads_prompt)
+
+    def _forward(self, feed: list[int]) -> Proposal:
+        """One forward of the drafter's session, and its seconds. A sampled stream's run
+        here, alone: this session is not exact, so other streams' rows in one forward could
+        move the last bits of q, and with them the seeded draws (a greedy draft only
+        proposes: the target's verify decides every token)."""
+        call = ForwardCall(self._session, tuple(feed), 1, model=self.model)
+        if self._params.greedy:
+            forwarded = yield call
+            return forwarded.out, forwarded.seconds
+        t0 = time.perf_counter()
+        return call.run(), time.perf_counter() - t0
 
     def unread_rows(self, context: Sequence[int]) -> int:
         """The context rows the next draft reads before drafting (this reply's prompt, or
@@ -116,10 +136,6 @@ class DraftModelDrafter:
             return 0
         feed = len(window) - self._reuse(window)
         return feed - 1 if feed > CATCH_UP_ROWS else 0
-
-    def _catch_up(self, feed: list[int]) -> None:
-        if feed:
-            self._session.forward(feed, n_logits=1)
 
     def accept(self, feed: StepFeed) -> None:
         # nothing to do now: the next propose aligns the cache with the committed context
@@ -138,10 +154,13 @@ class DraftModelDrafter:
         return min(common_prefix_length(self._session.tokens, window), len(window) - 1)
 
     def _draft(self, feed: list[int], k: int) -> tuple[list[int], np.ndarray | None]:
+        return alone(self._draft_steps(feed, k))
+
+    def _draft_steps(self, feed: list[int], k: int) -> Proposal:
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for _ in range(k):
-            out = self._session.forward(feed, n_logits=1)
+            out, _ = yield from self._forward(feed)
             token, q = self._choose(out)
             if tokens and self.min_confidence and self._confidence(out, q) < self.min_confidence:
                 break

@@ -104,6 +104,8 @@ class Streams:
         self._last = Load()  # every stream's share of the last forward: streams, rows
         self.batches = 0
         self.batched_rows = 0
+        self.draft_batches = 0  # forwards of a draft model, every stream's drafts in each
+        self.draft_rows = 0
         self._stopped = False
         self._driving = False  # a driver thread runs; it ends when no stream is left
 
@@ -233,20 +235,37 @@ class Streams:
         self._free.append(live.slot)
 
     def _forward(self, lives: list[_Live]) -> None:
-        """The waiting forwards as one; a prompt over PREFILL_CHUNK rows runs a piece of
-        itself while other streams share the tick."""
+        """The waiting forwards as one per model (the target's verifies, a draft model's
+        drafts); a prompt over PREFILL_CHUNK rows runs a piece of itself while other
+        streams share the tick."""
         if not lives:
             return
-        calls = [self._piece(live, len(lives) > 1) for live in lives]
+        target = self.engines[0].target
+        groups: dict[int, tuple[Any, list[_Live]]] = {}
+        for live in lives:
+            model = live.call.model if live.call is not None and live.call.model is not None \
+                else target
+            groups.setdefault(id(model), (model, []))[1].append(live)
+        for model, group in groups.values():
+            self._forward_group(model, group, len(lives) > 1, model is target)
+
+    def _forward_group(self, model: Any, lives: list[_Live], shared: bool, target: bool
+                       ) -> None:
+        calls = [self._piece(live, shared) for live in lives]
         t0 = time.perf_counter()
-        outs, error = _run(self.engines[0].target, calls)
+        outs, error = _run(model, calls)
         seconds = time.perf_counter() - t0
         rows = sum(len(call.token_ids) for call in calls)
-        self._last = Load(streams=len(calls), rows=rows)
-        self.batches += 1
-        self.batched_rows += rows
+        if target:  # the load the k controllers price: the target's forward
+            self._last = Load(streams=len(calls), rows=rows)
+            self.batches += 1
+            self.batched_rows += rows
+        else:
+            self.draft_batches += 1
+            self.draft_rows += rows
         for live, call, out in zip(lives, calls, outs or [None] * len(calls)):
-            live.rows = len(call.token_ids)
+            if target:
+                live.rows = len(call.token_ids)
             self._answer(live, call, out, error, seconds, rows)
 
     def _piece(self, live: _Live, shared: bool) -> ForwardCall:

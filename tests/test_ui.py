@@ -888,3 +888,14 @@ def test_fuzz_bench_numbers_never_wedge_the_model(quick_bench_run, knobs):
     refused_or_served(last[5], knobs, "**fake**" in str(last[1]))
     assert not bench.busy.locked()
     assert "**fake**" in list(handlers.run("humaneval", 1, 16, ["ngram"], 4))[-1][1]
+
+
+def test_the_stats_line_says_when_other_streams_turned_speculation_off():
+    from app.core.types import RunStats
+    from app.ui.render import stats_html
+
+    loaded = stats_html(RunStats(speculation_off_steps=5, load_off_steps=3, streams=4), "done")
+    assert "speculation off for 5 steps (3 of them: 4 streams fill the step)" in loaded
+    alone = stats_html(RunStats(speculation_off_steps=2), "done")
+    assert "speculation off for 2 steps (it did not pay)" in alone
+    assert "speculation off" not in stats_html(RunStats(), "done")

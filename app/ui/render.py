@@ -147,11 +147,22 @@ def stats_html(stats: RunStats | None, status: str, drafter: str = "", k: int = 
         cards.append(_card("memory now (peak)", f"{human_bytes(memory['rss'])} "
                            f"({human_bytes(peak)})", "memory",
                            f"model weights {human_bytes(memory['weights'])}"))
-    off = getattr(s, "speculation_off_steps", 0)
     head = html.escape(f"{status}" + (f" · drafter {drafter}, k {k}" if drafter else "")
-                       + (f" · speculation off for {off} steps (it did not pay)" if off else ""))
+                       + _off_note(s))
     return (f'<div class="sd-stats"><div class="sd-status" data-status="{html.escape(status)}">'
             f'{head}</div><div class="sd-cards">{"".join(cards)}</div></div>')
+
+
+def _off_note(s: RunStats) -> str:
+    """Why k="auto" drafted nothing on some steps: it did not pay, or (batched streams) the
+    other streams filled the forward, so draft rows would have cost the step its speed."""
+    off, by_load = s.speculation_off_steps, s.load_off_steps
+    if not off:
+        return ""
+    if by_load:
+        return (f" · speculation off for {off} steps ({by_load} of them: {s.streams} streams "
+                "fill the step)")
+    return f" · speculation off for {off} steps (it did not pay)"
 
 
 def _cards(s: RunStats) -> list[tuple[str, ...]]:

@@ -71,3 +71,25 @@ def test_bad_stream_counts_exit_2_naming_the_fix(tiny_folder, capsys, counts):
     assert main(["bench", "--target", str(tiny_folder), "--streams", counts or ",",
                  "--max-new-tokens", "4"]) == 2
     assert "--streams takes a comma list of counts >= 1" in capsys.readouterr().err
+
+
+def test_a_specdeck_server_runs_beside_the_local_streams_plain_and_its_default(
+        tmp_path, capsys):
+    from tests.serving import save_tiny_model, serve_process
+
+    model = save_tiny_model(tmp_path / "tiny")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", word_prompts(3))
+    out = tmp_path / "verdict.json"
+    with serve_process(["--target", str(model), "--dtype", "bfloat16", "--drafter", "ngram",
+                        "--k", "3", "--parallel", "3", "--no-history"],
+                       tmp_path / "serve.log") as (_, url):
+        code = main(["bench", "--target", str(model), "--dtype", "bfloat16",
+                     "--drafters", "none", "--streams", "1,3", "--prompts", str(prompts),
+                     "--no-chat", "--max-new-tokens", "8", "--remote", url,
+                     "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = {(r["config"], r["streams"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {c for c, _ in rows} == {"plain", "remote specdeck:none", "remote specdeck:ngram"}
+    for (config, n), row in rows.items():
+        assert row["errors"] == 0 and row["identical"] == f"{n}/{n}", (config, n)
+    assert rows[("remote specdeck:ngram", 3)]["peak_rss_bytes"] is None  # not our process

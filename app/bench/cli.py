@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -198,9 +199,10 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
     from backends import load_backend
 
     counts = parse_counts(args.streams)
-    if args.remote or args.compare_hf or args.compare_backend or args.compare_dtype:
-        raise SpecdeckError("--streams runs specdeck's scheduler (and --compare llama.cpp): "
-                            "drop --remote, --compare-hf, --compare-backend and --compare-dtype")
+    if args.compare_hf or args.compare_backend or args.compare_dtype:
+        raise SpecdeckError("--streams runs specdeck's scheduler (with --compare llama.cpp and "
+                            "--remote beside it): drop --compare-hf, --compare-backend and "
+                            "--compare-dtype")
     backend = load_backend(args.backend)
     _stderr(f"loading target {target_path}")
     target = backend.load(target_path, device=args.device, dtype=args.dtype)
@@ -213,8 +215,9 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
     ids = [e[1] for e in encoded][:max(counts)]
     sources, unavailable = verdict.local_sources(target, settings, backend, draft, max(counts),
                                                  _stderr)
-    llama = None
+    llama, remote = None, ExitStack()
     try:
+        sources += _remote_streams(args, counts, remote)
         if "llama.cpp" in compare:
             llama = _llama_streams(args, target_path, draft_path, counts)
             sources += llama.sources
@@ -223,6 +226,7 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
                                 max_new_tokens=settings.max_new_tokens, seed=settings.seed)
         result = verdict.run_verdict(sources, ids, counts, params, settings.repeats, _stderr)
     finally:
+        remote.close()
         if llama is not None:
             llama.close()
     report = verdict.verdict_report(target, backend, {
@@ -247,6 +251,36 @@ def _spread(prompts: Sequence[BenchPrompt]) -> list[BenchPrompt]:
     columns = list(by_category.values())
     return [c[i] for i in range(max(map(len, columns), default=0)) for c in columns
             if i < len(c)]
+
+
+def _remote_streams(args: argparse.Namespace, counts: Sequence[int], stack: ExitStack
+                    ) -> list[Any]:
+    """--remote beside --streams: the server (started with enough slots, e.g. specdeck serve
+    --parallel N) as a configuration, a client per stream; a specdeck server also plain
+    (drafter none per request), its baseline."""
+    if not args.remote:
+        return []
+    from app.bench.verdict import RemoteSource
+    from app.remote_flags import check_url
+    from app.serve.remote_engine import connect
+
+    url = check_url(args.remote)
+
+    def clients(**options: Any) -> dict[int, list[Any]]:
+        made = [stack.enter_context(closing(connect(url, model=args.model,
+                                                    api_key=args.api_key or None, **options)))
+                for _ in range(max(counts))]
+        return dict.fromkeys(counts, made)
+
+    own = clients()
+    first = own[counts[0]][0]
+    family = f"remote {first.kind}"
+    _stderr(f"remote: {first.kind} at {first.base_url} serving {first.target.name}")
+    sources = [RemoteSource(f"{family}:{first.drafter_name}", own, family=family)]
+    if first.kind == "specdeck" and first.drafter_name != "none":
+        sources.insert(0, RemoteSource(f"{family}:none", clients(drafter="none", k=0),
+                                       family=family))
+    return sources
 
 
 def _llama_streams(args: argparse.Namespace, target_path: str, draft_path: str | None,

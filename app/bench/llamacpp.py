@@ -366,7 +366,7 @@ class LlamaStreams:
                     continue
                 servers, clients = self._servers(name, target, model_draft, counts, threads, log)
                 if servers:
-                    self.sources.append(RemoteSource(name, servers, clients))
+                    self.sources.append(RemoteSource(name, clients, servers))
         except BaseException:
             self.close()
             raise

@@ -87,7 +87,8 @@ class Source:
     def openers(self, n: int) -> list[Open]:
         raise NotImplementedError
 
-    def pid(self, n: int) -> int:
+    def pid(self, n: int) -> int | None:
+        """The process serving n streams, for its RSS (None: not known here)."""
         return os.getpid()
 
     def reset(self) -> None:
@@ -118,18 +119,20 @@ class LocalSource(Source):
 
 
 class RemoteSource(Source):
-    """A llama-server per stream count, started with --parallel n; a client per stream."""
+    """An OpenAI-compatible server per stream count (llama-server started with --parallel n,
+    or one server for every count), a client per stream."""
 
-    def __init__(self, name: str, servers: dict[int, Any], clients: dict[int, list[Any]]
-                 ) -> None:
-        self.name, self.family, self.memory = name, "llama.cpp", None
-        self.servers, self.clients = servers, clients
+    def __init__(self, name: str, clients: dict[int, list[Any]],
+                 servers: dict[int, Any] | None = None, family: str = "llama.cpp") -> None:
+        self.name, self.family, self.memory = name, family, None
+        self.servers, self.clients = servers or {}, clients
 
     def openers(self, n: int) -> list[Open]:
         return [client.generate for client in self.clients[n][:n]]
 
-    def pid(self, n: int) -> int:
-        return self.servers[n].process.pid
+    def pid(self, n: int) -> int | None:
+        server = self.servers.get(n)
+        return server.process.pid if server is not None else None  # a server not ours
 
 
 def local_sources(target: Any, settings: Any, backend: Any, draft: Any, slots: int,
@@ -230,15 +233,15 @@ def run_round(source: Source, n: int, prompts: Sequence[tuple[int, list[int]]],
 class _RssSampler:
     """The largest resident set of one process while it runs (Linux's /proc; else None)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, _rss(pid)
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.peak = pid, _rss(pid) if pid is not None else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         if self.peak is not None:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(RSS_EVERY_S):
+        while self.pid is not None and not self._stop.wait(RSS_EVERY_S):
             rss = _rss(self.pid)
             if rss is not None and self.peak is not None:
                 self.peak = max(self.peak, rss)

@@ -29,6 +29,16 @@ class Loaded:
     rebuild: Any = None  # kind -> a new drafter as this load builds it (a stream slot's own)
 
 
+SUFFIX_NOTE = ("drafter: suffix, prompt lookup over this request and past replies "
+               "(--no-history: the request only)")
+
+
+def history_kind(kind: str, history_on: bool, asked: str) -> str:
+    """The kind auto runs where history is kept: its model-free lookup becomes the suffix
+    cache, which also reads past replies (every surface that names the kind asks here)."""
+    return "suffix" if kind == "ngram" and history_on and asked == "auto" else kind
+
+
 def load_engine(args: Any) -> Loaded:
     """Build the engine the flags describe; every user mistake raises SpecdeckError."""
     if args.k != "auto" and args.k < 0:
@@ -61,10 +71,9 @@ def load_engine(args: Any) -> Loaded:
     if args.drafter == "auto":
         drafter_kind, notes = _runnable(drafter_kind, notes, backend, target)
     history = open_history(args, target)
-    if drafter_kind == "ngram" and history is not None and args.drafter == "auto":
-        drafter_kind = "suffix"  # model-free lookup that also reads past replies
-        notes = (*notes, "drafter: suffix, prompt lookup over this request and past replies "
-                         "(--no-history: the request only)")
+    if history_kind(drafter_kind, history is not None, args.drafter) != drafter_kind:
+        drafter_kind = "suffix"
+        notes = (*notes, SUFFIX_NOTE)
     if args.k == 0:
         drafter_kind = "none"
     draft = None

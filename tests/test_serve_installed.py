@@ -268,12 +268,15 @@ def test_without_a_target_the_client_lists_installed_pairs_completes_and_gets_40
     with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {SMOL, QWEN}
-        assert models[SMOL].specdeck["drafter"] == "ngram"
+        # auto's lookup is the suffix cache where history is kept, listed as it will run
+        assert models[SMOL].specdeck["drafter"] == "suffix"
         assert models[QWEN].specdeck["drafter"] == "draft qwen2.5-0.5b-instruct"
         assert loaded(url) == []
         reply = client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=24,
                                           temperature=0)
         assert loaded(url) == [SMOL]
+        card = {m.id: m for m in client.models.list().data}[SMOL].specdeck
+        assert card["drafter"] == "suffix"  # the same once loaded
         with pytest.raises(openai.NotFoundError, match="specdeck pull qwen3-8b\\+0.6b"):
             client.completions.create(model="qwen3-8b+0.6b", prompt=PROMPT, max_tokens=4)
         client.completions.create(model=QWEN, prompt=PROMPT, max_tokens=4,

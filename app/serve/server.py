@@ -202,6 +202,7 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
     from app import store
     from app.catalogue import hardware, planner, sizing
     from app.catalogue.registry import load_catalogue
+    from app.loading import SUFFIX_NOTE, history_kind
     from backends import detect_backend
 
     catalogue = load_catalogue()
@@ -223,6 +224,9 @@ def installed_pairs(args: argparse.Namespace) -> tuple[list[Listed], int, int]:
                             installed=lambda model: store.model_path(model, backend))
         drafter = args.drafter if args.drafter != "auto" else plan.choice.label
         reason = "--drafter" if drafter == args.drafter else plan.choice.reason
+        if history_kind(drafter, not getattr(args, "no_history", False), args.drafter) \
+                != drafter:
+            drafter, reason = "suffix", SUFFIX_NOTE.removeprefix("drafter: suffix, ")
         listed.append(Listed(row.pair.id, row.pair.name, drafter, reason, need_bytes(plan.fit),
                              row.pair.target.arch.context))
     return listed, budget, sizing.RUNTIME_BYTES.get(backend, 0)

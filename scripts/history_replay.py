@@ -1,6 +1,7 @@
 """The history workload over HTTP: specdeck with its history against specdeck plain, in order.
 
 Usage: history_replay.py HISTORY_URL PLAIN_URL OUT.json [--max-tokens N] [--repeats N]
+                         [--engine NAME=URL ...]
 
 HISTORY_URL is a `specdeck serve` with history on (its own SPECDECK_HISTORY), asked with its
 defaults; PLAIN_URL a second one started with --no-history, asked with `"drafter": "none"`
@@ -9,7 +10,9 @@ assets/prompts/history.jsonl are replayed in their order,
 as a user would send them, so the history warms as in use: a second turn goes with the
 model's own first reply as the assistant message. Each request goes to both servers in turn
 (the order alternating), greedy; speed is completion tokens over the request's wall time, and
-the two replies must be the same text.
+the two replies must be the same text. --engine NAME=URL adds another server asked with its
+own defaults in the same rotation (llama-server plain, `--spec-type ngram-mod`, `ngram-cache`);
+its replies are compared with its own first engine's (other kernels than specdeck's).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def ask(client: httpx.Client, base: str, messages: list[dict], max_tokens: int,
     return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"], seconds
 
 
-def replay(history: str, plain: str, max_tokens: int, repeats: int) -> list[dict]:
+def replay(history: str, plain: str, max_tokens: int, repeats: int,
+           engines: dict[str, str] | None = None) -> list[dict]:
     records = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
     rows, flip = [], False
     with httpx.Client() as client:
@@ -49,7 +53,8 @@ def replay(history: str, plain: str, max_tokens: int, repeats: int) -> list[dict
                 for turn, text in enumerate(record["turns"]):
                     messages.append({"role": "user", "content": text})
                     order = [("history", history, None), ("plain", plain, "none"),
-                             ("no_history", plain, None)]
+                             ("no_history", plain, None),
+                             *((name, url, None) for name, url in (engines or {}).items())]
                     got = {}
                     for name, base, drafter in (order[::-1] if flip else order):
                         got[name] = ask(client, base, messages, max_tokens, drafter)
@@ -60,7 +65,11 @@ def replay(history: str, plain: str, max_tokens: int, repeats: int) -> list[dict
                                  "plain_tok_s": got["plain"][1] / got["plain"][2],
                                  "no_history_tok_s": got["no_history"][1] / got["no_history"][2],
                                  "same": got["history"][0] == got["plain"][0]
-                                 == got["no_history"][0]})
+                                 == got["no_history"][0],
+                                 **{f"{name}_tok_s": got[name][1] / got[name][2]
+                                    for name in engines or {}},
+                                 "engines_same": len({got[name][0] for name in engines or {}})
+                                 <= 1})
                     print(json.dumps(rows[-1]), flush=True)
                     messages.append({"role": "assistant", "content": got["plain"][0]})
     return rows
@@ -77,6 +86,9 @@ def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
             "ratio": statistics.median(r["history_tok_s"] / r["plain_tok_s"] for r in mine),
             "no_history_ratio": statistics.median(r["no_history_tok_s"] / r["plain_tok_s"]
                                                   for r in mine),
+            **{key: statistics.median(r[key] for r in mine) for key in mine[0]
+               if key.endswith("_tok_s") and key not in ("history_tok_s", "plain_tok_s",
+                                                         "no_history_tok_s")},
             "all_same": all(r["same"] for r in mine), "requests": len(mine)}
     return out
 
@@ -88,8 +100,11 @@ def main() -> None:
     parser.add_argument("out", help="JSON file for the rows and medians")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the workload")
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=URL",
+                        help="another server in the rotation, asked with its defaults")
     args = parser.parse_args()
-    rows = replay(args.history, args.plain, args.max_tokens, args.repeats)
+    engines = dict(item.split("=", 1) for item in args.engine)
+    rows = replay(args.history, args.plain, args.max_tokens, args.repeats, engines)
     summary = summarise(rows)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))

@@ -24,7 +24,7 @@ from tests.tiny import W4A8, save_gguf, save_hf_folder, tiny_llama
 torch = pytest.importorskip("torch")
 
 from backends.torch import ggml, kquant  # noqa: E402
-from backends.torch.quant import int4_is_available, w8a8_is_exact  # noqa: E402
+from backends.torch.quantized_linear import int4_is_available, w8a8_is_exact  # noqa: E402
 from tests import determinism_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -385,7 +385,7 @@ def test_the_ui_offers_a_heads_tree_and_runs_it_as_a_tree_with_plain_output(deep
 def test_a_head_under_an_int4_target_drafts_on_8_bit_weights_with_plain_output(heads, tmp_path):
     """The head keeps 8 bits under an int4 target (4-bit head weights took one SmolLM2-135M
     head's first-draft acceptance from 0.109 to 0.087), and output stays plain decoding's."""
-    from backends.torch.quant import Int4Linear, Int8Linear, W8A8Linear
+    from backends.torch.quantized_linear import Int4Linear, Int8Linear, W8A8Linear
     from tests.tiny import save_hf_folder
 
     folder = save_hf_folder(tiny_llama(seed=11, vocab=VOCAB, layers=N_LAYERS), tmp_path / "t")

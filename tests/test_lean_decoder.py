@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.decoder import lean_reason
-from backends.torch.quant import w8a8_is_exact
+from backends.torch.quantized_linear import w8a8_is_exact
 from tests.tiny import VOCAB, W4A8, tiny_llama, tiny_tokenizer
 
 BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(

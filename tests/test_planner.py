@@ -115,7 +115,7 @@ def test_fit_of_the_default_pair_on_16gb_of_cpu_ram_is_capped_by_the_trained_con
 def test_memory_is_planned_for_the_dtype_generate_runs_on_this_machine(catalogue):
     torch_backend = pytest.importorskip("backends.torch.backend")
     from backends.torch import w4a8
-    from backends.torch.quant import int4_is_available, int4_is_exact, w8a8_is_exact
+    from backends.torch.quantized_linear import int4_is_available, int4_is_exact, w8a8_is_exact
 
     unquantized = str(torch_backend.resolve_dtype("auto", "cpu")).removeprefix("torch.")
     # a Q4_K GGUF runs w4a8 where its kernel builds and passes its row check, else int4 where

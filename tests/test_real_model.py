@@ -53,7 +53,7 @@ def cpu_dtypes() -> list[str]:
     runs, bf16 where native, w8a8 where VNNI, int4 where its kernel is row-exact, w4a8 where
     its kernel builds and is row-exact."""
     from backends.torch import gguf_model, w4a8
-    from backends.torch.quant import int4_is_available, int4_is_exact, w8a8_is_exact
+    from backends.torch.quantized_linear import int4_is_available, int4_is_exact, w8a8_is_exact
 
     return ["float32", "int8"] + (["bfloat16"] if cpu_has_native_bf16() else []) \
         + (["w8a8"] if w8a8_is_exact() else []) \

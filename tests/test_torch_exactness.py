@@ -15,17 +15,17 @@ from app.core.types import SamplingParams, SpecdeckError
 from app.drafters.draft_model import DraftModelDrafter
 from app.drafters.ngram import NgramDrafter
 from backends.torch import backend as torch_backend
-from backends.torch import quant
+from backends.torch import quantized_linear as quant
 from backends.torch.attention import NAME, rowwise_sdpa
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.fuse import FusedProjection, ProjectionSlice, fuse_projections
-from backends.torch.quant import (
+from backends.torch.quantize import quantize_linear
+from backends.torch.quantized_linear import (
     Int4Linear,
     Int8Linear,
     W8A8Linear,
     w8a8_is_exact,
 )
-from backends.torch.quantize import quantize_linear
 from tests.tiny import W4A8, save_hf_folder, tiny_llama
 
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9]

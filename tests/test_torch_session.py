@@ -16,7 +16,7 @@ from app.core.types import SamplingParams
 from app.drafters.draft_model import DraftModelDrafter
 from backends.torch import w4a8
 from backends.torch.backend import TorchBackend
-from backends.torch.quant import W8A8Linear
+from backends.torch.quantized_linear import W8A8Linear
 from backends.torch.session import HfSession, LeanSession
 from tests.conftest import W4A8, save_hf_folder, tiny_llama
 

@@ -503,7 +503,7 @@ def test_the_target_answers_in_the_dtype_it_decodes_with_so_the_head_reads_those
     answer to the bit and differ from the fp32 ones."""
     from app.train import TrainRequest
     from backends.torch.backend import TorchBackend
-    from backends.torch.quant import w8a8_is_exact
+    from backends.torch.quantized_linear import w8a8_is_exact
     from backends.torch.train_head import _answers
 
     if not w8a8_is_exact():

@@ -12,7 +12,7 @@ from app.core.types import SamplingParams
 from app.drafters.draft_model import DraftModelDrafter
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.exactness import exact_row_block
-from backends.torch.quant import w8a8_is_exact
+from backends.torch.quantized_linear import w8a8_is_exact
 from tests.marks import heavy
 from tests.tiny import W4A8, save_hf_folder, tiny_llama
 

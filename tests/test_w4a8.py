@@ -10,7 +10,7 @@ import torch
 from app.core.types import SpecdeckError
 from backends.torch import backend as torch_backend
 from backends.torch import w4a8
-from backends.torch.quant import quantize_weight_int4
+from backends.torch.quantized_linear import quantize_weight_int4
 from tests.tiny import W4A8
 
 pytestmark = list(W4A8.marks)
@@ -71,8 +71,8 @@ def test_every_row_of_a_w4a8_forward_gets_its_one_row_bits_whatever_the_row_coun
 
 
 def test_layers_the_kernel_cannot_tile_and_the_output_layer_keep_8_bits():
-    from backends.torch.quant import Int8Linear, W8A8Linear
     from backends.torch.quantize import quantize_linear
+    from backends.torch.quantized_linear import Int8Linear, W8A8Linear
 
     eight_bit = (Int8Linear, W8A8Linear)
     assert isinstance(quantize_linear(torch.nn.Linear(64, 40), "w4a8", is_head=False),
@@ -99,7 +99,7 @@ def test_a_w4a8_draft_model_drafts_from_a_4_bit_output_layer_and_the_output_stay
     from app.core.types import SamplingParams
     from app.drafters.draft_model import DraftModelDrafter
     from backends.torch.backend import TorchBackend
-    from backends.torch.quant import W8A8Linear
+    from backends.torch.quantized_linear import W8A8Linear
     from tests.tiny import save_hf_folder, tiny_llama
 
     folder = save_hf_folder(tiny_llama(seed=1), tmp_path / "tiny")

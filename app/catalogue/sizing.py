@@ -21,7 +21,8 @@ from app.core.types import SpecdeckError
 RESERVE = 0.10  # share of free memory kept for activations, verify buffers and the runtime
 LOGIT_BYTES = 4  # the verify keeps each row's logits in float32 for the sampler
 # bytes per weight; int4 and w4a8: 4-bit codes and a bf16 scale and zero per 32
-# (backends/torch/quant.py Int4Linear, backends/torch/w4a8.py); gguf: the file's own bytes
+# (backends/torch/quantized_linear.py Int4Linear, backends/torch/w4a8.py); gguf: the file's
+# own bytes
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "w8a8": 1, "int4": 0.625,
                 "w4a8": 0.625}
 QUANTIZED = ("w8a8", "int4", "w4a8")  # quantized weights, bf16 KV cache

@@ -43,14 +43,14 @@ from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
 from backends.torch.gguf_model import load_gguf_model, stored_bytes
 from backends.torch.output_heads import light_head
-from backends.torch.quant import (
+from backends.torch.quantize import quantize_linears
+from backends.torch.quantized_linear import (
     Int4Linear,
     W8A8Linear,
     int4_is_available,
     int4_is_exact,
     w8a8_is_exact,
 )
-from backends.torch.quantize import quantize_linears
 from backends.torch.session import (
     MAX_VERIFY_ROWS,
     HfSession,

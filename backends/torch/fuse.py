@@ -3,8 +3,8 @@ at load, each original projection answering with its slice of the result.
 
 Knows: torch modules, the attribute names transformers' Llama-style layers give their
 projections. Must not know: sessions, quantization (the fused layer is a plain nn.Linear, so
-quant.py quantizes it like any other: per output channel or per group of inputs, which gives
-every output the codes and scales it had unfused), drafting.
+quantized_linear.py quantizes it like any other: per output channel or per group of inputs,
+which gives every output the codes and scales it had unfused), drafting.
 
 Why: at one row per forward a small drafter spends much of its time launching ops, and three
 projections of the same input are three matmuls, three bias adds and (w8a8) three rescales.

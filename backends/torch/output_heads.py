@@ -1,6 +1,6 @@
 """Output layers of a drafter session's own: a vocabulary subset and the 4-bit drafting head.
 
-Knows: torch modules, the quantized layers' row slicing (quant.py) and the w4a8 kernel's
+Knows: torch modules, the quantized layers' row slicing (quantized_linear.py) and the w4a8 kernel's
 layer, which transformers configs compute logits as the output layer's product alone. Must
 not know: sessions, caches, drafting rules. Each layer here is built from a model's output
 layer and never replaces it: the target, other drafters and plain sessions may share that
@@ -16,7 +16,7 @@ import torch
 
 from backends.torch import w4a8
 from backends.torch.gguf_layers import GgufLinear, Part
-from backends.torch.quant import Int8Linear, W8A8Linear, quantize_weight_int4
+from backends.torch.quantized_linear import Int8Linear, W8A8Linear, quantize_weight_int4
 
 # config fields of models whose logits are scaled or capped after the output layer (Gemma's
 # softcapping, Cohere's and Granite's scales): a head of a session's own would skip that step

@@ -1,6 +1,7 @@
 """Which quantized layer each linear layer of a model becomes under a dtype.
 
-Knows: the layer kinds of quant.py and w4a8.py, and which of them the output layer may take.
+Knows: the layer kinds of quantized_linear.py and w4a8.py, and which of them the output layer
+may take.
 Must not know: models' architectures, sessions, drafting rules.
 """
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from backends.torch.quant import Int4Linear, Int8Linear, W8A8Linear, w8a8_is_exact
+from backends.torch.quantized_linear import Int4Linear, Int8Linear, W8A8Linear, w8a8_is_exact
 from backends.torch.w4a8 import W4A8Linear
 
 

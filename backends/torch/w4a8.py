@@ -25,7 +25,7 @@ import torch
 
 from backends.cbuild import build, compiler, loads
 from backends.cpu import cpu_has_w4a8
-from backends.torch.quant import bf16_bias, quantize_weight_int4, rows_are_invariant
+from backends.torch.quantized_linear import bf16_bias, quantize_weight_int4, rows_are_invariant
 
 _SOURCE = Path(__file__).parent / "kernels" / "w4a8.c"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",

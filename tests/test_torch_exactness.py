@@ -19,7 +19,7 @@ from backends.torch import quantized_linear as quant
 from backends.torch.attention import NAME, rowwise_sdpa
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.fuse import FusedProjection, ProjectionSlice, fuse_projections
-from backends.torch.quantize import quantize_linear
+from backends.torch.layer_choice import quantize_linear
 from backends.torch.quantized_linear import (
     Int4Linear,
     Int8Linear,

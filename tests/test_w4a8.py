@@ -71,7 +71,7 @@ def test_every_row_of_a_w4a8_forward_gets_its_one_row_bits_whatever_the_row_coun
 
 
 def test_layers_the_kernel_cannot_tile_and_the_output_layer_keep_8_bits():
-    from backends.torch.quantize import quantize_linear
+    from backends.torch.layer_choice import quantize_linear
     from backends.torch.quantized_linear import Int8Linear, W8A8Linear
 
     eight_bit = (Int8Linear, W8A8Linear)

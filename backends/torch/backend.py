@@ -42,8 +42,8 @@ from backends.torch.decoder import LeanDecoder, lean_reason
 from backends.torch.exactness import exact_row_block, linear_layers
 from backends.torch.fuse import fuse_projections
 from backends.torch.gguf_model import load_gguf_model, stored_bytes
+from backends.torch.layer_choice import quantize_linears
 from backends.torch.output_heads import light_head
-from backends.torch.quantize import quantize_linears
 from backends.torch.quantized_linear import (
     Int4Linear,
     W8A8Linear,

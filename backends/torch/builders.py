@@ -13,7 +13,7 @@ from typing import Any
 from app.core.protocols import DrafterRequest
 from backends.builder_table import draft_model_builder, head_builder, own_layers_builder
 from backends.torch.backend import FOUR_BIT, QUANTIZED
-from backends.torch.quantize import quantize_linears
+from backends.torch.layer_choice import quantize_linears
 
 draft_model = draft_model_builder("app.drafters.draft_model", "DraftModelDrafter")
 mtp = own_layers_builder("backends.torch.heads.mtp", "load_mtp_drafter")

@@ -54,16 +54,20 @@ def test_a_stream_that_parts_from_its_solo_tokens_is_counted_as_not_identical():
     same = verdict.StreamResult(0, (1, 2, 3), 0.1, 0.3, None)
     other = verdict.StreamResult(1, (4, 5, 7), 0.1, 0.3, None)
     rounds = [verdict.Round("plain", 2, 0, 0.5, (same, other), None)]
-    row = verdict.table([source], rounds, {"specdeck": [(1, 2, 3), (4, 5, 6)]}, greedy=True)[0]
+    solos = {"specdeck": {0: (1, 2, 3), 1: (4, 5, 6)}}
+    row = verdict.table([source], rounds, solos, greedy=True)[0]
     assert row["identical"] == "1/2"
     assert row["aggregate_tok_s"] == pytest.approx(12.0)
     assert row["tpot_ms_p50"] == pytest.approx(100.0)
 
 
-def test_each_repeat_starts_its_streams_on_further_prompts():
-    prompts = [[1], [2], [3]]
-    assert [i for i, _ in verdict.assignment(prompts, 2, 0)] == [0, 1]
-    assert [i for i, _ in verdict.assignment(prompts, 2, 1)] == [2, 0]
+def test_no_round_meets_a_prompt_another_round_of_its_engine_met():
+    prompts = [[i] for i in range(7)]
+    used = [[i for i, _ in verdict.assignment(prompts, n, repeat, (1, 2))]
+            for repeat in (0, 1) for n in (1, 2)]
+    assert used == [[0], [1, 2], [3], [4, 5]]
+    assert verdict.prompts_needed((1, 2), 2) == 6
+    assert [i for i, _ in verdict.assignment(prompts[:2], 2, 0, (1, 2))] == [1, 0]  # wraps
 
 
 @pytest.mark.parametrize("counts", ["0", "two", ""])

@@ -73,6 +73,14 @@ def test_models_lists_the_target_with_its_drafter_and_context(client) -> None:
     assert card.owned_by == "specdeck"
     assert card.max_model_len == 4096
     assert card.specdeck["drafter"] == "ngram" and card.specdeck["k"] == 4
+    streams = card.specdeck["streams"]  # lookup keeps no KV of its own: the same either way
+    assert streams["fit_plain"] == streams["fit_speculating"] >= streams["slots"] >= 1
+
+
+def test_metrics_say_how_many_streams_memory_holds_with_and_without_speculation(
+        base_url: str) -> None:
+    names = {sample.name: sample.value for sample in metrics(base_url)}
+    assert names["specdeck:streams_fit_plain"] == names["specdeck:streams_fit_speculating"] >= 1
 
 
 def test_completion_equals_the_engine_with_the_same_speculative_stats(

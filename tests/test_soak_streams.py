@@ -148,7 +148,7 @@ class IdsOnly:
 @pytest.mark.skipif(DURATION_S <= 0, reason="set SPECDECK_SOAK_S (seconds) to soak the streams")
 def test_eight_clients_for_the_set_time_get_their_own_replies_and_leave_rss_flat(
         tmp_path: Path) -> None:
-    model = ["--pair", PAIR] if PAIR else ["--target", str(save_tiny_model(tmp_path / "tiny")),
+    model = ["--target", PAIR] if PAIR else ["--target", str(save_tiny_model(tmp_path / "tiny")),
                                            "--drafter", "ngram", "--k", "4"]
     log = tmp_path / "serve.log"
     args = [*model, "--parallel", str(CLIENTS), "--no-history", "--max-waiting", "64"]

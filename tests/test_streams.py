@@ -149,3 +149,10 @@ def test_memory_caps_the_slots_and_says_so():
     assert "memory holds 2" in capacity(4, 100, 250, 4096).reason
     assert capacity(4, 100, 10_000, 4096).reason == "--parallel 4"
     assert capacity(4, 100, 10, 4096).slots == 1  # one stream always runs (the load checked)
+
+
+def test_capacity_counts_streams_with_the_draft_models_kv_and_without():
+    fit = capacity(4, per_stream_bytes=150, free_bytes=3_000, context=4096,
+                   plain_stream_bytes=100)
+    assert (fit.slots, fit.fit_speculating, fit.fit_plain) == (4, 20, 30)
+    assert fit.summary().endswith("memory holds 20 with speculation, 30 without")

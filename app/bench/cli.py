@@ -212,7 +212,13 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
         draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
     chat = _chat_default(target, settings.chat)
     encoded, _ = _encode(target, _spread(prompts), chat, settings.max_new_tokens)
-    ids = [e[1] for e in encoded][:max(counts)]
+    ids = [e[1] for e in encoded]
+    needed = verdict.prompts_needed(counts, settings.repeats) + 1  # and the warm-up's
+    if len(ids) < needed:
+        _stderr(f"{len(ids)} prompts for {needed}: some rounds meet a prompt again, which a "
+                "server's prompt cache may answer faster (--limit N gives more)")
+    warm_up, ids = ids[-1], (ids[:-1] if len(ids) > 1 else ids)
+    ids = ids[:needed - 1]
     sources, unavailable = verdict.local_sources(target, settings, backend, draft, max(counts),
                                                  _stderr)
     llama, remote = None, ExitStack()
@@ -224,7 +230,8 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
             unavailable.update(llama.unavailable)
         params = SamplingParams(temperature=settings.temperature,
                                 max_new_tokens=settings.max_new_tokens, seed=settings.seed)
-        result = verdict.run_verdict(sources, ids, counts, params, settings.repeats, _stderr)
+        result = verdict.run_verdict(sources, ids, counts, params, settings.repeats, _stderr,
+                                     warm_up=warm_up if settings.warmup > 0 else None)
     finally:
         remote.close()
         if llama is not None:

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app import drafters
@@ -261,52 +261,71 @@ def _rss(pid: int) -> int | None:
         return None
 
 
-def assignment(prompts: Sequence[list[int]], n: int, repeat: int
+def assignment(prompts: Sequence[list[int]], n: int, repeat: int, counts: Sequence[int]
                ) -> list[tuple[int, list[int]]]:
-    """The prompts of a round of n streams: n in a row, starting further on each repeat."""
-    return [((repeat * n + i) % len(prompts), prompts[(repeat * n + i) % len(prompts)])
+    """The prompts of a round of n streams: each round of a repeat its own run of prompts,
+    so no engine meets a prompt twice before the solo runs (no cached prefix: llama-server
+    runs without its prompt cache, a server's slots keep theirs); they wrap where the set
+    holds fewer than repeats x sum(counts)."""
+    start = repeat * sum(counts) + sum(c for c in counts if c < n)
+    return [((start + i) % len(prompts), prompts[(start + i) % len(prompts)])
             for i in range(n)]
+
+
+def prompts_needed(counts: Sequence[int], repeats: int) -> int:
+    return repeats * sum(counts)
 
 
 def run_verdict(sources: Sequence[Source], prompts: Sequence[list[int]],
                 counts: Sequence[int], params: SamplingParams, repeats: int,
-                log: Callable[[str], None]) -> dict[str, Any]:
-    """Every source at every stream count, interleaved; the solo baselines first."""
+                log: Callable[[str], None], warm_up: list[int] | None = None,
+                warm_up_tokens: int = 16) -> dict[str, Any]:
+    """Every source at every stream count, interleaved; then each family's plain solo run of
+    every prompt used (the greedy outputs the rounds must equal). warm_up: a prompt each
+    source generates from first, untimed (first forwards allocate; k=auto probes its costs)."""
     if repeats < 1:
         raise SpecdeckError(f"--repeats must be >= 1 (got {repeats})")
-    solos = _solos(sources, prompts, params, log)
+    if warm_up:
+        short = replace(params, max_new_tokens=min(params.max_new_tokens, warm_up_tokens))
+        for source in sources:
+            for n in counts:  # a server per count (llama-server --parallel n): each warmed
+                run_round(source, n, [(-1, warm_up)] * n, short, -1)
+        log(f"warm-up: {len(sources)} configurations")
     rounds: list[Round] = []
     for repeat in range(repeats):
         for n in counts:
             order = sources if (repeat + n) % 2 == 0 else sources[::-1]
             for source in order:
                 source.reset()
-                rounds.append(run_round(source, n, assignment(prompts, n, repeat), params,
-                                        repeat))
+                rounds.append(run_round(source, n, assignment(prompts, n, repeat, counts),
+                                        params, repeat))
             log(f"[repeat {repeat + 1}/{repeats}] {n} stream(s): " + ", ".join(
                 f"{r.config} {r.aggregate_tok_s:.1f}" for r in rounds[-len(sources):])
                 + " tok/s")
+    used = sorted({s.prompt for r in rounds for s in r.results})
+    solos = _solos(sources, prompts, used, params, log)
     return {"rows": table(sources, rounds, solos, params.greedy),
             "rounds": [_round_json(r) for r in rounds]}
 
 
-def _solos(sources: Sequence[Source], prompts: Sequence[list[int]], params: SamplingParams,
-           log: Callable[[str], None]) -> dict[str, list[tuple[int, ...]]]:
-    """Each family's plain tokens for every prompt, decoded alone (and the warm-up)."""
-    solos: dict[str, list[tuple[int, ...]]] = {}
+def _solos(sources: Sequence[Source], prompts: Sequence[list[int]], used: Sequence[int],
+           params: SamplingParams, log: Callable[[str], None]
+           ) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Each family's plain tokens for every prompt used, each decoded alone."""
+    solos: dict[str, dict[int, tuple[int, ...]]] = {}
     for source in sources:
         if source.family in solos:
             continue
         source.reset()
-        solos[source.family] = [
-            run_round(source, 1, [(i, ids)], params, -1).results[0].token_ids
-            for i, ids in enumerate(prompts)]
-        log(f"solo baseline: {source.name} ({source.family}), {len(prompts)} prompts")
+        solos[source.family] = {
+            i: run_round(source, 1, [(i, prompts[i])], params, -1).results[0].token_ids
+            for i in used}
+        log(f"solo runs: {source.name} ({source.family}), {len(used)} prompts")
     return solos
 
 
 def table(sources: Sequence[Source], rounds: Sequence[Round],
-          solos: dict[str, list[tuple[int, ...]]], greedy: bool) -> list[dict[str, Any]]:
+          solos: dict[str, dict[int, tuple[int, ...]]], greedy: bool) -> list[dict[str, Any]]:
     """A row per configuration and stream count: medians over repeats, percentiles over
     every stream of them."""
     rows = []
@@ -318,7 +337,7 @@ def table(sources: Sequence[Source], rounds: Sequence[Round],
             streams = [s for r in at for s in r.results]
             aggregate = _median([r.aggregate_tok_s for r in at])
             baseline = solos.get(source.family)
-            same = (sum(s.token_ids == baseline[s.prompt] for s in streams)
+            same = (sum(s.token_ids == baseline.get(s.prompt) for s in streams)
                     if greedy and baseline else None)
             rows.append({
                 "config": source.name, "engine": source.family, "streams": n,

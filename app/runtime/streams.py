@@ -72,11 +72,23 @@ class _Live:
 
 @dataclass(frozen=True)
 class Capacity:
-    """How many streams fit, and why: the slots, each a session of `context` tokens."""
+    """How many streams fit, and why: the slots, each a session of `context` tokens; and
+    how many streams of `context` memory holds with speculation (the draft model's KV beside
+    each) and without (the target's alone), None where the memory is not known."""
 
     slots: int
     context: int
     reason: str
+    fit_speculating: int | None = None
+    fit_plain: int | None = None
+
+    def summary(self) -> str:
+        """The startup line's figures: what runs, and what memory would hold either way."""
+        line = f"{self.slots} stream(s) at once, {self.context} tokens each ({self.reason})"
+        if self.fit_speculating is not None and self.fit_plain is not None:
+            line += (f"; memory holds {self.fit_speculating} with speculation, "
+                     f"{self.fit_plain} without")
+        return line
 
 
 class Streams:
@@ -306,14 +318,19 @@ def _run(model: Any, calls: list[ForwardCall]
 
 
 def capacity(slots_asked: int, per_stream_bytes: int, free_bytes: int, context: int,
-             ) -> Capacity:
+             plain_stream_bytes: int | None = None) -> Capacity:
     """The slots a server runs: what was asked (--parallel), at most what memory holds of
-    streams of `context` tokens, and at least one."""
+    streams of `context` tokens, and at least one. plain_stream_bytes: a stream's bytes with
+    speculation off (the target's KV alone), for the figure without it."""
     fit = free_bytes // per_stream_bytes if per_stream_bytes > 0 else slots_asked
     slots = max(1, min(slots_asked, fit))
     reason = (f"--parallel {slots_asked}" if slots == slots_asked else
               f"memory holds {fit} stream(s) of {context} tokens")
-    return Capacity(slots=slots, context=context, reason=reason)
+    plain = plain_stream_bytes if plain_stream_bytes is not None else per_stream_bytes
+    known = per_stream_bytes > 0 and plain > 0
+    return Capacity(slots=slots, context=context, reason=reason,
+                    fit_speculating=fit if known else None,
+                    fit_plain=free_bytes // plain if known else None)
 
 
 def fork_engines(engine: SpecEngine, slots: int) -> list[SpecEngine]:

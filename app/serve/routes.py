@@ -132,7 +132,9 @@ def models_list(served: Served) -> dict[str, Any]:
     if streams is not None:
         card["specdeck"]["streams"] = {"slots": streams.slots,
                                        "context": streams.capacity.context,
-                                       "why": streams.capacity.reason}
+                                       "why": streams.capacity.reason,
+                                       "fit_speculating": streams.capacity.fit_speculating,
+                                       "fit_plain": streams.capacity.fit_plain}
     return {"object": "list", "data": [card]}
 
 
@@ -185,6 +187,7 @@ def stream_gauges(served: Served) -> str:
     return "".join(prometheus.render(*family) for family in (
         ("specdeck:stream_slots", "gauge", "Streams that fit at once (memory and --parallel).",
          [(label, streams.slots)]),
+        *_fit_gauges(streams.capacity, label),
         ("specdeck:streams_live", "gauge", "Streams generating now, stepped together.",
          [(label, streams.live)]),
         ("specdeck:streams_waiting", "gauge", "Requests waiting for a slot.",
@@ -193,6 +196,16 @@ def stream_gauges(served: Served) -> str:
          [(label, load.streams)]),
         ("specdeck:step_rows", "gauge", "Rows in the last batched forward.",
          [(label, load.rows)])))
+
+
+def _fit_gauges(capacity: Any, label: dict[str, str]) -> list[tuple[Any, ...]]:
+    """What memory holds with speculation and without, where the memory is known."""
+    figures = (("speculating", "with the draft model's KV beside each",
+                capacity.fit_speculating),
+               ("plain", "with speculation off", capacity.fit_plain))
+    return [(f"specdeck:streams_fit_{name}", "gauge",
+             f"Streams of {capacity.context} tokens memory holds {words}.", [(label, fit)])
+            for name, words, fit in figures if fit is not None]
 
 
 def history_gauges(served: Served) -> str:

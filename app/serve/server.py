@@ -103,8 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     _warn_if_open(args.host, served.keys())
     for note in getattr(loaded, "notes", ()):
         print(f"specdeck: {note}", file=sys.stderr)
-    print(f"specdeck: {streams.slots} stream(s) at once, {streams.capacity.context} tokens each "
-          f"({streams.capacity.reason})", file=sys.stderr)
+    print(f"specdeck: {streams.capacity.summary()}", file=sys.stderr)
     print(f"specdeck: serving {served.model_id} (drafter {served.drafter_name}, k {engine.k}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(served), log_level="warning",
@@ -122,10 +121,11 @@ def stream_slots(args: argparse.Namespace, loaded: Any) -> Any:
 
     engine = loaded.engine
     context = min(args.stream_context, engine.target.context_length)
-    per_token = sum(getattr(m, "kv_bytes_per_token", lambda: 0)()
-                    for m in (engine.target, loaded.draft) if m is not None)
+    target, draft = (getattr(m, "kv_bytes_per_token", lambda: 0)() if m is not None else 0
+                     for m in (engine.target, loaded.draft))
     free = hardware.available_memory(loaded.backend_name, args.device)
-    fit = capacity(args.parallel, per_token * context, free, context)
+    fit = capacity(args.parallel, (target + draft) * context, free, context,
+                   plain_stream_bytes=target * context)
     return Streams(fork_engines(engine, fit.slots), loaded.rebuild or (lambda kind: None),
                    default=(loaded.drafter_name, engine.drafter), capacity=fit)
 

@@ -1,19 +1,22 @@
 """From command-line style settings to a ready SpecEngine: backend, target, drafter, prompt.
 
-Knows: how --target/--drafter/--draft/--k/--backend/--device/--dtype combine, the chat
-template. Must not know: array libraries (backends do the loading), the step loop.
+Knows: how --target/--drafter/--draft/--k/--backend/--device/--dtype combine into a LoadSpec
+and a kind (app/pair.py opens the pair and builds its drafters), --drafter auto's planner
+call, the history flags. Must not know: array libraries (backends do the loading), the step
+loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
 from app.drafters.kinds import fallback, require
-from backends import load_backend, runs_of
+from app.pair import LoadSpec, Pair, folder_head_kind
+from backends import runs_of
 from backends.extras import files_of
 
 
@@ -27,6 +30,7 @@ class Loaded:
     backend: Any = None
     history: Any = None  # app/store/history.History, None under --no-history
     rebuild: Any = None  # kind -> a new drafter as this load builds it (a stream slot's own)
+    pair: Any = None  # the opened Pair (app/pair.py)
 
 
 SUFFIX_NOTE = ("drafter: suffix, prompt lookup over this request and past replies "
@@ -40,64 +44,69 @@ def history_kind(kind: str, history_on: bool, asked: str) -> str:
 
 
 def load_engine(args: Any) -> Loaded:
-    """Build the engine the flags describe; every user mistake raises SpecdeckError."""
+    """Build the engine the flags describe; every user mistake raises SpecdeckError.
+
+    The way from the flags to the drafter: a LoadSpec, the kind decided (auto: the planner,
+    before any loading), Pair.open, Pair.build (its one check of the kind)."""
     if args.k != "auto" and args.k < 0:
         raise SpecdeckError(f"--k must be >= 0 or auto (got {args.k})")
     if not args.target:
         raise SpecdeckError("give a target model with --target PATH (HF folder or .gguf)")
-    drafter_kind = args.drafter
-    pair = _installed_pair(args.target, files_of(args.backend))
-    draft_path = args.draft or (str(pair[1]) if pair and pair[1] else None)
+    spec = LoadSpec.from_flags(args).resolved()
     tree = bool(getattr(args, "tree", False))
-    if drafter_kind != "auto":  # before any loading: what it needs, what the backend runs
-        require(drafter_kind, runs_of(args.backend), tree=tree, has_draft=bool(draft_path),
-                has_head=bool(draft_path))
-    backend = load_backend(args.backend)
-    draft_path = head_folder(draft_path, files_of(backend.name))
-    given_head = _head_kind(draft_path)
-    if given_head and drafter_kind in drafters.NEEDS_DRAFT_MODEL:
-        raise SpecdeckError(f"{draft_path} is an EAGLE head, not a draft model: use --drafter "
-                            f"{given_head}")
-    target_path = str(pair[0]) if pair else args.target
-    _refuse_corrupted_files(target_path, draft_path)
-    target = backend.load(target_path, device=args.device, dtype=args.dtype)
-    notes: tuple[str, ...] = ()
-    if drafter_kind == "auto" and given_head:
-        notes = (f"drafter: {given_head}, the head {draft_path} (given)",)
-        drafter_kind = given_head
-    elif drafter_kind == "auto":
-        drafter_kind, draft_path, notes = auto_drafter(args.target, backend.name, args.device,
-                                                       args.draft)
+    drafter_kind, notes, spec = _kind_before_loading(args, spec, tree)
+    pair = Pair.open(replace(spec, draft=None))
     if args.drafter == "auto":
-        drafter_kind, notes = _runnable(drafter_kind, notes, backend, target)
-    history = open_history(args, target)
-    if history_kind(drafter_kind, history is not None, args.drafter) != drafter_kind:
+        drafter_kind, notes = _runnable(drafter_kind, notes, pair.backend, pair.target)
+    if spec.draft and drafter_kind in drafters.NEEDS_DRAFT_MODEL:  # auto may have fallen back
+        pair.load_draft(spec.draft)
+    pair.history = open_history(args, pair.target)
+    if history_kind(drafter_kind, pair.history is not None, args.drafter) != drafter_kind:
         drafter_kind = "suffix"
         notes = (*notes, SUFFIX_NOTE)
     if args.k == 0:
         drafter_kind = "none"
-    draft = None
-    if drafter_kind in drafters.NEEDS_DRAFT_MODEL:
-        draft_dtype = getattr(args, "draft_dtype", None) or args.dtype
-        draft = backend.load(draft_path, device=args.device, dtype=draft_dtype)
-    # a head folder is the head drafter's own input, never loaded as a causal LM
-    head = draft_path if drafter_kind in drafters.HEADS else None
-    drafter = drafters.build_drafter(drafter_kind, target, backend=backend, draft=draft,
-                                     vocab_limit=getattr(args, "draft_vocab", 0), head=head,
-                                     tree=tree, history=history)
-    engine = SpecEngine(target, None if drafter_kind == "none" else drafter, k=args.k,
-                        recorder=history)
+    vocab_limit = getattr(args, "draft_vocab", 0)
+    drafter = pair.build(drafter_kind, tree=tree, vocab_limit=vocab_limit)
+    engine = SpecEngine(pair.target, None if drafter_kind == "none" else drafter, k=args.k,
+                        recorder=pair.history)
 
     def rebuild(kind: str) -> Any:
-        own = kind == drafter_kind  # the loaded kind keeps its head, trees and vocabulary
-        return drafters.build_drafter(
-            kind, target, backend=backend, draft=draft, history=history,
-            vocab_limit=getattr(args, "draft_vocab", 0) if own else 0,
-            head=head if own else None, tree=tree and own)
+        own = kind == drafter_kind  # the loaded kind keeps its trees and vocabulary
+        return pair.build(kind, tree=tree and own, vocab_limit=vocab_limit if own else 0)
 
-    return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=backend.name,
-                  notes=notes, draft=draft, backend=backend, history=history,
-                  rebuild=rebuild)
+    return Loaded(engine=engine, drafter_name=drafter_kind, backend_name=pair.backend.name,
+                  notes=notes, draft=pair.draft, backend=pair.backend, history=pair.history,
+                  rebuild=rebuild, pair=pair)
+
+
+def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
+                         ) -> tuple[str, tuple[str, ...], LoadSpec]:
+    """The kind to run, why, and the spec to open: what it needs checked before minutes of
+    loading; auto's choice from the planner; a draft model loaded only for a kind that
+    drafts with one, a head folder kept as the head."""
+    kind, notes = args.drafter, ()
+    if kind != "auto":
+        require(kind, runs_of(args.backend), tree=tree, has_draft=bool(spec.draft),
+                has_head=bool(spec.draft or spec.head))
+    given_head = folder_head_kind(spec.draft)
+    if given_head:
+        spec = replace(spec, draft=None, head=spec.draft)
+    if kind != "auto":
+        if given_head and kind in drafters.NEEDS_DRAFT_MODEL:
+            raise SpecdeckError(f"{spec.head} is an EAGLE head, not a draft model: use "
+                                f"--drafter {given_head}")
+    elif given_head:
+        kind, notes = given_head, (f"drafter: {given_head}, the head {spec.head} (given)",)
+    else:
+        given = spec.draft if args.draft else None  # a pair's own draft is the planner's to pick
+        kind, path, notes = auto_drafter(args.target, args.backend, args.device, given)
+        spec = (replace(spec, draft=None, head=path, head_kind=kind)
+                if kind in drafters.HEADS else replace(spec, draft=path))
+    speculates = args.k != 0
+    return kind, notes, replace(
+        spec, draft=spec.draft if speculates and kind in drafters.NEEDS_DRAFT_MODEL else None,
+        head=spec.head if speculates and kind in drafters.HEADS else None)
 
 
 def open_history(args: Any, target: Any) -> Any:
@@ -119,57 +128,6 @@ def _runnable(kind: str, notes: tuple[str, ...], backend: Any, target: Any
         return kind, notes
     return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})",
                     *notes[1:])
-
-
-def _installed_pair(target: str, backend: str) -> tuple[Any, Any] | None:
-    """(target path, draft path) when --target names a catalogue pair rather than a path."""
-    from pathlib import Path
-
-    from app import store
-    from app.catalogue import registry
-
-    if Path(target).expanduser().exists() or target not in registry.load_catalogue().pairs:
-        return None
-    return store.installed_paths(target, None if backend == "auto" else backend,
-                                 need_draft=False)
-
-
-def _head_kind(path: str | None) -> str | None:
-    """The EAGLE kind of a head folder (config and safetensors header only), else None."""
-    if not path:
-        return None
-    from backends.heads.eagle_format import head_kind
-    return head_kind(path)
-
-
-def head_folder(path: str | None, backend: str) -> str | None:
-    """A head (or model) given as a folder, or as a catalogue model id `specdeck pull`
-    installed."""
-    from pathlib import Path
-
-    from app import store
-    from app.catalogue import registry
-
-    models = registry.load_catalogue().models
-    if not path or Path(path).expanduser().exists() or path not in models:
-        return path
-    found = store.model_path(models[path], backend)
-    if found is None:
-        pairs = [p.id for p in registry.load_catalogue().pairs.values()
-                 if p.drafter is not None and p.drafter.id == path]
-        pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
-        raise SpecdeckError(f"{path} is not downloaded: {pull} fetches it")
-    return str(found)
-
-
-def _refuse_corrupted_files(*paths: str | None) -> None:
-    """A pulled model's file given by path is checked like one given by pair id (a pair's
-    were checked when its paths were looked up; checking again costs a stat)."""
-    from app import store
-
-    for path in paths:
-        if path:
-            store.check_file(path)
 
 
 def auto_drafter(target: str, backend: str, device: str, draft_path: str | None

@@ -17,6 +17,7 @@ from app.core.types import SpecdeckError
 from app.drafters import kinds
 from app.drafters.kinds import BY_NAME, NAMES, TABLE, check
 from app.loading import load_engine
+from app.pair import Pair
 from app.serve.jobs import Served
 from app.serve.requests import ApiError
 from app.ui.workbench import Workbench
@@ -116,8 +117,9 @@ def test_every_surface_refuses_a_kind_the_backend_lacks_with_the_same_message(
     with pytest.raises(SpecdeckError) as loading:
         load_engine(SimpleNamespace(k=4, target=str(tmp_path), drafter=kind, draft="/heads/h",
                                     backend="mlx", device="auto", dtype="auto", tree=False))
-    served = Served(engine=SimpleNamespace(target=target_on("mlx"), drafter=None),
-                    model_id="m", drafter_name="ngram", backend=mlx)
+    target = target_on("mlx")
+    served = Served(engine=SimpleNamespace(target=target, drafter=None), model_id="m",
+                    drafter_name="ngram", pair=Pair(mlx, target))
     with pytest.raises(ApiError) as server:
         served.drafter_for(kind)
     refusals = [str(factory.value), str(backend.value), str(loading.value), str(server.value),
@@ -207,11 +209,12 @@ STUCK = Capabilities(rewind=False, hidden_states=True,
 def stuck_engine_args(tmp_path, drafter: str, monkeypatch) -> SimpleNamespace:
     """load_engine's flags for a target that cannot speculate, on a backend that loads it."""
     import app.loading
+    import app.pair
 
     target = FakeModel()
     target.name, target.capabilities = "tiny-hybrid", STUCK
     backend = SimpleNamespace(name="torch", runs=runs_of("torch"), load=lambda *_, **__: target)
-    monkeypatch.setattr(app.loading, "load_backend", lambda _name: backend)
+    monkeypatch.setattr(app.pair, "load_backend", lambda _name: backend)
     monkeypatch.setattr(app.loading, "auto_drafter",
                         lambda *_: ("chain", "/drafts/d", ("drafter: draft d (the planner's)",
                                                            "not eagle3: none here")))

@@ -24,6 +24,7 @@ from app.bench.settings import BenchSettings
 from app.bench.verify_cost import parse_rows
 from app.core.types import SamplingParams, SpecdeckError
 from app.flags import DEFAULT_K, add_runtime_arguments
+from app.pair import LoadSpec, Pair
 from app.remote_flags import add_remote_arguments
 from app.train import prompts as training_prompts
 
@@ -196,20 +197,14 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
     llama-server --parallel N on the same GGUF files."""
     from app.bench import verdict
     from app.bench.run import _chat_default, _encode
-    from backends import load_backend
 
     counts = parse_counts(args.streams)
     if args.compare_hf or args.compare_backend or args.compare_dtype:
         raise SpecdeckError("--streams runs specdeck's scheduler (with --compare llama.cpp and "
                             "--remote beside it): drop --compare-hf, --compare-backend and "
                             "--compare-dtype")
-    backend = load_backend(args.backend)
-    _stderr(f"loading target {target_path}")
-    target = backend.load(target_path, device=args.device, dtype=args.dtype)
-    draft = None
-    if draft_path and (NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters):
-        _stderr(f"loading draft {draft_path}")
-        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
+    pair = _open(args, target_path, draft_path if _drafts_with_model(settings) else None)
+    target, draft, backend = pair.target, pair.draft, pair.backend
     chat = _chat_default(target, settings.chat)
     encoded, _ = _encode(target, _spread(prompts), chat, settings.max_new_tokens)
     ids = [e[1] for e in encoded]
@@ -217,7 +212,10 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
     if len(ids) < needed:
         _stderr(f"{len(ids)} prompts for {needed}: some rounds meet a prompt again, which a "
                 "server's prompt cache may answer faster (--limit N gives more)")
-    warm_up, ids = ids[-1], (ids[:-1] if len(ids) > 1 else ids)
+    # the warm-up allocates and probes costs: the shortest prompt does it without a long prefill
+    shortest = min(range(len(ids)), key=lambda i: len(ids[i]))
+    warm_up = ids[shortest]
+    ids = ids[:shortest] + ids[shortest + 1:] if len(ids) > 1 else ids
     ids = ids[:needed - 1]
     sources, unavailable = verdict.local_sources(target, settings, backend, draft, max(counts),
                                                  _stderr)
@@ -341,8 +339,8 @@ def _plan_auto(args: argparse.Namespace, target: str
 
 
 def _head(path: str | None, backend: str) -> str | None:
-    from app.loading import head_folder
-    return head_folder(path, "torch" if backend == "auto" else backend)
+    from app.pair import catalogue_folder
+    return catalogue_folder(path, "torch" if backend == "auto" else backend)
 
 
 def _llama_compare(args: argparse.Namespace, settings: BenchSettings, target_path: str,
@@ -363,18 +361,14 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
                   prompts: Sequence[BenchPrompt], target_path: str, draft_path: str | None,
                   extra: Sequence[Any], extra_unavailable: dict[str, str] | None = None
                   ) -> dict[str, Any]:
-    from backends import load_backend
+    from backends import runs_of
 
-    backend = load_backend(args.backend)
-    if args.compare_hf and backend.name != "torch":
+    if args.compare_hf and runs_of(args.backend).backend != "torch":
         raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
     log = _stderr
-    log(f"loading target {target_path}")
-    target = backend.load(target_path, device=args.device, dtype=args.dtype)
-    draft = None
-    if draft_path and ((NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters) or args.compare_hf):
-        log(f"loading draft {draft_path}")
-        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or args.dtype)
+    needs_draft = _drafts_with_model(settings) or args.compare_hf
+    pair = _open(args, target_path, draft_path if needs_draft else None)
+    target, draft, backend = pair.target, pair.draft, pair.backend
     extra, extra_unavailable = list(extra), dict(extra_unavailable or {})
     if args.compare_backend:
         runners, unavailable = _second_backend(args, settings, target_path, draft, draft_path)
@@ -394,17 +388,14 @@ def _second_backend(args: argparse.Namespace, settings: BenchSettings, target_pa
     configurations named "<backend>:..." (with no HF rows of its own)."""
     from dataclasses import replace
 
-    from backends import load_backend
-
     if args.compare_backend == args.backend:
         raise SpecdeckError(f"--compare-backend {args.compare_backend} is the backend already "
                             "running: name another (torch, mlx or llamacpp)")
-    other = load_backend(args.compare_backend)
-    _stderr(f"loading target {target_path} on {other.name}")
-    target = other.load(target_path)
-    second_draft = other.load(draft_path) if draft is not None and draft_path else None
-    return build_runners(target, replace(settings, compare_hf=False), other, second_draft,
-                         prefix=f"{other.name}:")
+    _stderr(f"on {args.compare_backend}:")
+    second = Pair.open(LoadSpec(target_path, draft_path if draft is not None else None,
+                                backend=args.compare_backend), progress=_stderr)
+    return build_runners(second.target, replace(settings, compare_hf=False), second.backend,
+                         second.draft, prefix=f"{second.backend.name}:")
 
 
 def _second_dtype(args: argparse.Namespace, settings: BenchSettings, backend: Any,
@@ -417,13 +408,11 @@ def _second_dtype(args: argparse.Namespace, settings: BenchSettings, backend: An
     if dtype == args.dtype:
         raise SpecdeckError(f"--compare-dtype {dtype} is the dtype already running: name "
                             "another (e.g. int4 beside w4a8)")
-    _stderr(f"loading target {target_path} in {dtype}")
-    target = backend.load(target_path, device=args.device, dtype=dtype)
-    draft = None
-    if draft_path and (NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters):
-        draft = backend.load(draft_path, device=args.device, dtype=args.draft_dtype or dtype)
-    return build_runners(target, replace(settings, compare_hf=False), backend, draft,
-                         prefix=f"{dtype}:")
+    _stderr(f"in {dtype}:")
+    second = _open(args, target_path, draft_path if _drafts_with_model(settings) else None,
+                   dtype=dtype)
+    return build_runners(second.target, replace(settings, compare_hf=False), backend,
+                         second.draft, prefix=f"{dtype}:")
 
 
 def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]
@@ -464,6 +453,19 @@ def _pair_paths(pair_id: str, backend: str, draft: str | None) -> tuple[str, str
     if draft is None and pair.drafter_kind == "draft" and draft_model is not None:
         draft = str(draft_model)
     return str(target), draft
+
+
+def _drafts_with_model(settings: BenchSettings) -> bool:
+    return bool((NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters))
+
+
+def _open(args: argparse.Namespace, target_path: str, draft_path: str | None,
+          dtype: str | None = None) -> Pair:
+    """The pair bench runs (app/pair.py), in --dtype or the dtype given."""
+    dtype = dtype or args.dtype
+    return Pair.open(LoadSpec(target_path, draft_path, backend=args.backend, device=args.device,
+                              dtype=dtype, draft_dtype=args.draft_dtype or dtype),
+                     progress=_stderr)
 
 
 def _write_json(report: dict[str, Any], path: str) -> None:

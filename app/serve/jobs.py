@@ -13,7 +13,7 @@ from typing import Any
 from app import drafters
 from app.core.engine import LOCAL_PARTITION
 from app.core.types import SamplingParams, SpecdeckError
-from app.drafters.kinds import check, unknown
+from app.drafters.kinds import unknown
 from app.drafters.suffix import for_partition
 from app.flags import DEFAULT_K
 from app.runtime import compute
@@ -56,11 +56,17 @@ class Served:
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
 
     streams: Any = None  # app/runtime/streams.Streams: the slots every request steps in
-    draft: Any = None  # the loaded draft model, for requests that ask for a model drafter
-    backend: Any = None
-    _drafters: dict[str, Any] = field(default_factory=dict)  # built on first request, kept
+    # the opened pair (app/pair.py): what a request's drafter is checked against and built
+    # from, once per kind; without one (a scripted engine), the engine's target alone
+    pair: Any = None
     # serving the installed pairs: each pair's counters, kept across its unloads
     pair_metrics: dict[str, Metrics] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.pair is None and self.engine is not None:  # a front (installed pairs) has none
+            from app.pair import Pair
+            self.pair = Pair(None, self.engine.target,
+                             history=getattr(self.engine, "recorder", None))
 
     def keys(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((*((self.api_key,) if self.api_key else ()), *self.api_keys)))
@@ -82,20 +88,11 @@ class Served:
         name = name or self.drafter_name
         if name == self.drafter_name:
             return self.engine.drafter, name
-        target = self.engine.target
-        refusal = (check(name, getattr(self.backend, "runs", None),
-                         capabilities=getattr(target, "capabilities", None),
-                         # a request names no head folder: heads run as the server's own drafter
-                         has_draft=self.draft is not None, has_head=False,
-                         target=getattr(target, "name", "this target"))
-                   if name in drafters.KINDS else unknown(name))  # no "<kind>:tree" here
+        pair = self.pair
+        refusal = pair.check(name) if name in drafters.KINDS else unknown(name)  # no ":tree"
         if refusal is not None:
             raise ApiError(refusal.message, "drafter")
-        if name not in self._drafters:
-            self._drafters[name] = drafters.build_drafter(
-                name, self.engine.target, backend=self.backend, draft=self.draft,
-                history=getattr(self.engine, "recorder", None))
-        return self._drafters[name], name
+        return pair.drafter(name), name
 
     def k_for(self, drafter: str, k: int | None) -> int | str:
         """The request's k, else the engine's own for its drafter, else the default."""

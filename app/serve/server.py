@@ -98,8 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
                     drafter_name=loaded.drafter_name, backend_name=loaded.backend_name,
                     default_k=request_k_default(args.k),
                     api_keys=api_keys(args), gate=Gate(args.max_waiting),
-                    max_body_bytes=int(args.max_body_mb * 2**20), draft=loaded.draft,
-                    backend=loaded.backend, streams=streams)
+                    max_body_bytes=int(args.max_body_mb * 2**20), pair=loaded.pair,
+                    streams=streams)
     _warn_if_open(args.host, served.keys())
     for note in getattr(loaded, "notes", ()):
         print(f"specdeck: {note}", file=sys.stderr)
@@ -246,7 +246,7 @@ def _load_pair(args: argparse.Namespace, front: Served, pair_id: str) -> Served:
                   backend_name=loaded.backend_name,
                   default_k=request_k_default(args.k),
                   api_keys=front.keys(), gate=front.gate, max_body_bytes=front.max_body_bytes,
-                  draft=loaded.draft, backend=loaded.backend,
+                  pair=loaded.pair,
                   metrics=front.pair_metrics.setdefault(pair_id, Metrics()))
 
 

@@ -126,21 +126,17 @@ def _build(args: argparse.Namespace) -> int:
 
 def _tokenizer(target: str | None, backend: str) -> tuple[Any, str]:
     """The tokenizer of the target as the surfaces load it (a pair id, a folder, a .gguf)."""
-    from app import store
-    from app.catalogue import registry
+    from dataclasses import replace
+
+    from app.pair import LoadSpec, Pair
     from app.store import recent
-    from backends import load_backend
-    from backends.extras import files_of
 
     target = target or recent.last_pair()
     if not target:
         raise SpecdeckError("name the model whose tokenizer reads the files: --target PAIR "
                             "(a pair id from `specdeck models`), an HF folder or a .gguf")
-    path = target
-    if not Path(target).expanduser().exists() and target in registry.load_catalogue().pairs:
-        path = str(store.installed_paths(target, None if backend == "auto" else
-                                         files_of(backend), need_draft=False)[0])
-    model = load_backend(backend).load(path, device="cpu")
+    spec = replace(LoadSpec(target, backend=backend, device="cpu").resolved(), draft=None)
+    model = Pair.open(spec).target
     return model.tokenizer, target
 
 

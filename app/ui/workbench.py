@@ -13,7 +13,6 @@ Must not know: Gradio components, array libraries (backends load the models).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,10 +22,8 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from app.drafters.kinds import BY_NAME, check
-from app.drafters.pairing import check_vocab_compatible
+from app.pair import LoadSpec, Pair
 from app.runtime import compute
-from backends import runs_of
 
 DRAFTER_CHOICES = drafters.WITH_TREES
 
@@ -43,23 +40,31 @@ class Choice:
     reason: str
 
 
+def _pair_field(name: str, doc: str) -> property:
+    """An attribute of the loaded pair, read and set through the Workbench."""
+    return property(lambda self: getattr(self.pair, name),
+                    lambda self, value: setattr(self.pair, name, value), doc=doc)
+
+
 class Workbench:
     """The loaded models and their engines; everything a handler needs, nothing global."""
+
+    backend = _pair_field("backend", "the backend that loaded the models (bench builds drafters)")
+    target = _pair_field("target", "the loaded target, None before a load")
+    draft = _pair_field("draft", "the loaded draft model, if any")
+    head = _pair_field("head", "a head drafter's folder (EAGLE, DFlash, Medusa)")
+    head_kind = _pair_field("head_kind", "the head's kind, where known (the pair's, the folder's)")
+    mtp_layers = _pair_field("mtp_layers", "the target's own MTP layers (read at load)")
+    history = _pair_field("history", "the target's history (app/store/history.py), when kept")
 
     def __init__(self, backend: str = "auto", device: str = "auto", dtype: str = "auto",
                  default_k: int | str = 4, draft_dtype: str | None = None,
                  history: bool = True) -> None:
         self.backend_name, self.device, self.dtype = backend, device, dtype
         self.keeps_history = history  # off under --no-history
-        self.history: Any = None  # the loaded target's (app/store/history.py), when kept
         self.draft_dtype = draft_dtype or dtype
         self.default_k = default_k
-        self.backend: Any = None  # the backend that loaded the models (bench builds drafters)
-        self.target: Any = None
-        self.draft: Any = None
-        self.head: str | None = None  # a head drafter's folder (EAGLE, DFlash, Medusa)
-        self.head_kind: str | None = None  # its kind, where known (the pair's, the folder's)
-        self.mtp_layers = 0  # the target's own MTP layers (read from its config at load)
+        self.pair = Pair(None, None)  # the loaded models (app/pair.py); empty: none loaded
         self.label = ""
         self.pair_id: str | None = None
         self.auto_kind: Choice | None = None  # a catalogue's pick, when a pair was loaded
@@ -68,7 +73,6 @@ class Workbench:
         self.start_reason = ""  # why nothing was loaded at start, for the header
         self.busy = threading.Lock()  # one generation per target at a time
         self._engines: dict[str, SpecEngine] = {}  # "chat" (shared) and "race-plain"
-        self._drafters: dict[str, Any] = {}  # built once per kind, kept with their caches
         self._cancels: dict[str, threading.Event] = {}
         self._cancels_lock = threading.Lock()
 
@@ -96,19 +100,21 @@ class Workbench:
 
     def attach(self, target: Any, draft: Any = None, label: str = "",
                pair_id: str | None = None, auto_kind: Choice | None = None,
-               engines: Callable[[str], Any] | None = None) -> None:
-        """Install a loaded target (and draft); the engine and drafters are built lazily.
+               engines: Callable[[str], Any] | None = None, pair: Pair | None = None) -> None:
+        """Install a loaded target (and draft), or an opened pair; the engine and drafters are
+        built lazily.
 
         engines(lane) builds a lane's engine (default: a SpecEngine on target; tests script one).
         """
-        self.target, self.draft, self.remote = target, draft, None
+        self.pair = pair or Pair(self.backend, target, draft)
+        self.remote = None
         self.history = _history_of(target) if self.keeps_history else None
         # the Chat lane records its replies; the Race tab's plain lane repeats a reply
         self._new_engine = engines or (lambda lane: SpecEngine(
             target, recorder=self.history if lane == "chat" else None))
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
-        self._engines, self._drafters = {}, {}
+        self._engines = {}
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
              pair_id: str | None = None, auto_kind: Choice | None = None,
@@ -123,37 +129,21 @@ class Workbench:
     def _load(self, target_path: str, draft_path: str | None, label: str,
               pair_id: str | None, auto_kind: Choice | None, head: str | None,
               progress: Callable[[str], None]) -> None:
-        from backends import load_backend
-
-        if not os.path.exists(target_path):
-            raise SpecdeckError(f"model not found: {target_path}; download it in the Models "
-                                "tab or with `specdeck pull PAIR`")
-        backend = load_backend(self.backend_name)
         self.unload()
-        self.backend = backend
-        progress(f"loading the target {os.path.basename(target_path.rstrip('/'))}")
-        target = backend.load(target_path, device=self.device, dtype=self.dtype)
-        # a head (given, or an EAGLE folder given as the draft) is built by its drafter, never
-        # loaded as a model
-        head = head or (draft_path if draft_path and _is_head(draft_path) else None)
-        if head:
-            draft_path = None
-        if draft_path:
-            progress(f"loading the draft model {os.path.basename(draft_path.rstrip('/'))}")
-        draft = (backend.load(draft_path, device=self.device, dtype=self.draft_dtype)
-                 if draft_path else None)
-        if draft is not None:
-            check_vocab_compatible(target, draft)  # refused here, not at the first message
+        kind = auto_kind.kind if auto_kind is not None else None
+        spec = LoadSpec(target_path, draft_path, head, backend=self.backend_name,
+                        device=self.device, dtype=self.dtype, draft_dtype=self.draft_dtype,
+                        head_kind=kind if kind in drafters.HEADS else None)
+        pair = Pair.open(spec, progress)
         progress("warming up")
-        for model in (target, draft):
+        for model in (pair.target, pair.draft):
             if model is not None:
                 warm_up(model)
-        self.attach(target, draft=draft, label=label, pair_id=pair_id, auto_kind=auto_kind)
+        self.attach(pair.target, draft=pair.draft, label=label, pair_id=pair_id,
+                    auto_kind=auto_kind, pair=pair)
         # the chat lane's verify costs are timed now, not inside the first message (k auto)
         self._engines["chat"] = self._new_engine("chat")
         self._engines["chat"].warm_up()
-        self.head, self.head_kind = head, _head_kind(head, auto_kind)
-        self.mtp_layers = _mtp_layers(target_path)
 
     def attach_remote(self, engine: Any) -> None:
         """Chat through an OpenAI-compatible server instead of a local model."""
@@ -162,9 +152,8 @@ class Workbench:
         self.label = f"{engine.kind} at {engine.base_url}"
 
     def unload(self) -> None:
-        self.target = self.draft = self.backend = self.head = self.head_kind = None
-        self.mtp_layers = 0
-        self._engines, self._drafters = {}, {}
+        self.pair = Pair(None, None)
+        self._engines = {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
     def resolve(self, kind: str) -> Choice:
@@ -176,11 +165,7 @@ class Workbench:
             if self.draft is not None:
                 return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
             return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
-        refusal = check(kind, runs_of(self.backend.name) if self.backend else None,
-                        capabilities=getattr(self.target, "capabilities", None),
-                        has_draft=self.draft is not None, has_head=self.head is not None,
-                        head_kind=self.head_kind, mtp_layers=self.mtp_layers,
-                        target=getattr(self.target, "name", "this target"))
+        refusal = self.pair.check(kind)
         if refusal is not None:
             raise SpecdeckError(refusal.message)
         return Choice(kind, "plain decoding" if kind == "none" else f"chosen: {kind}")
@@ -209,14 +194,8 @@ class Workbench:
         choice = self.resolve(kind)
         if lane not in self._engines:
             self._engines[lane] = self._new_engine(lane)
-        if choice.kind not in self._drafters:
-            base = choice.kind.removesuffix(drafters.TREE_SUFFIX)
-            self._drafters[choice.kind] = compute.call(  # a head loads its weights
-                drafters.build_drafter, base, self.target, backend=self.backend,
-                draft=self.draft, head=self.head, tree=base != choice.kind,
-                history=self.history)
-        return Bound(self._engines[lane], self._drafters[choice.kind],
-                     0 if choice.kind == "none" else k), choice
+        drafter = compute.call(self.pair.drafter, choice.kind)  # a head loads its weights
+        return Bound(self._engines[lane], drafter, 0 if choice.kind == "none" else k), choice
 
     def begin(self, session: str) -> threading.Event:
         """A fresh cancel flag for one browser session's generation."""
@@ -291,32 +270,6 @@ def warm_up(model: Any) -> None:
     ids = list(model.tokenizer.encode("Hello, this warms the model up."))[:8]
     if ids:
         model.start().forward(ids, n_logits=1)
-
-
-def _head_kind(head: str | None, auto_kind: Choice | None) -> str | None:
-    """The kind of a loaded head: the pair's (models.yaml), else an EAGLE folder's own."""
-    if head is None:
-        return None
-    if auto_kind is not None and auto_kind.kind in drafters.HEADS:
-        return BY_NAME[auto_kind.kind].built_as
-    from backends.heads.eagle_format import head_kind
-    return head_kind(head)
-
-
-def _mtp_layers(target_path: str) -> int:
-    """The target's own MTP layers, from its config (0 when the planner cannot read it)."""
-    from app.catalogue import target_info
-
-    try:
-        return target_info.describe(target_path).arch.mtp_layers
-    except Exception:  # noqa: BLE001 - an unread header offers no mtp; the load stands
-        return 0
-
-
-def _is_head(path: str) -> bool:
-    """An EAGLE head folder (read from its config and safetensors header, no torch)."""
-    from backends.heads.eagle_format import head_kind
-    return head_kind(path) is not None
 
 
 def _history_of(target: Any) -> Any:

@@ -1,0 +1,224 @@
+"""A pair as every surface opens it: a target, what drafts for it, and the one check of a kind.
+
+The CLI, the server, the UI and bench each make a `LoadSpec` (from flags, a catalogue id or the
+page) and open it here; the way from a flag to a built drafter is then spec -> `Pair.open` ->
+`Pair.drafter` -> the backend's builder, with no return to the store after open and one kind
+check (`Pair.check`) that has every fact filled in.
+
+Knows: how a spec's names resolve (a catalogue pair id to its installed files, a head given as
+a catalogue model id to its folder), that pulled files are checked before they load, that a
+head folder is the head drafter's input and never loads as a model, the draft model's
+vocabulary check, what a loaded pair lends a kind (the backend's declaration, the target's
+capabilities, a draft model, the head and its kind, the target's MTP layers), drafters built
+once per kind. Must not know: flags, Gradio or HTTP (the surfaces make the spec and say the
+messages), array libraries (backends load the models), the step loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from app import drafters
+from app.core.types import SpecdeckError
+from app.drafters.kinds import BY_NAME, Refusal, check, split
+from app.drafters.pairing import check_vocab_compatible
+from backends import detect_backend, load_backend
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to open: a target (a path or a catalogue pair id), a draft model or a head folder
+    (paths or catalogue model ids), and where and how the models load."""
+
+    target: str
+    draft: str | None = None
+    head: str | None = None
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    draft_dtype: str | None = None
+    head_kind: str | None = None  # the catalogue's word for the head, where it ships one
+
+    @classmethod
+    def from_flags(cls, args: Any, **given: Any) -> LoadSpec:
+        """The spec of the common flags (--target --draft --backend --device --dtype
+        --draft-dtype); `given` overrides any field."""
+        fields = {"target": getattr(args, "target", None) or "",
+                  "draft": getattr(args, "draft", None),
+                  "backend": getattr(args, "backend", "auto"),
+                  "device": getattr(args, "device", "auto"),
+                  "dtype": getattr(args, "dtype", "auto"),
+                  "draft_dtype": getattr(args, "draft_dtype", None)}
+        return cls(**{**fields, **given})
+
+    def resolved(self) -> LoadSpec:
+        """Catalogue names turned into installed paths: a pair id gives its target (and its
+        draft model, unless one is given), a model id its folder; SpecdeckError names the
+        `specdeck pull` that fetches what is missing."""
+        from backends.extras import files_of
+
+        files = files_of(detect_backend() if self.backend == "auto" else self.backend)
+        pair = installed_pair(self.target, files)
+        draft = self.draft or (str(pair[1]) if pair and pair[1] else None)
+        return replace(self, target=str(pair[0]) if pair else self.target,
+                       draft=catalogue_folder(draft, files),
+                       head=catalogue_folder(self.head, files))
+
+
+class Pair:
+    """The loaded target, its draft model and head, and their drafters (built once per kind)."""
+
+    def __init__(self, backend: Any, target: Any, draft: Any = None, head: str | None = None,
+                 head_kind: str | None = None, mtp_layers: int | None = 0,
+                 history: Any = None,
+                 spec: LoadSpec | None = None) -> None:
+        self.backend, self.target, self.draft = backend, target, draft
+        self.head, self.head_kind, self.mtp_layers = head, head_kind, mtp_layers
+        self.history = history  # past replies (app/store/history.py) the lookup kinds read
+        self.spec = spec
+        self._drafters: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, spec: LoadSpec, progress: Progress = lambda _stage: None,
+             history: Any = None) -> Pair:
+        """Resolve the spec's names, refuse a corrupt or missing file, load the target and
+        the draft model (a head folder given as the draft is kept as the head), and read the
+        head's kind and the target's MTP layers, once."""
+        from app import store
+
+        spec = spec.resolved()
+        if not Path(spec.target).expanduser().exists():
+            raise SpecdeckError(f"model not found: {spec.target}; give a .gguf file, an HF "
+                                "folder or a pair id (`specdeck models` lists them, "
+                                "`specdeck pull PAIR` downloads one)")
+        head, draft_path = spec.head, spec.draft
+        if draft_path and not head and folder_head_kind(draft_path):
+            head, draft_path = draft_path, None
+        store.check_file(spec.target)
+        backend = load_backend(spec.backend)
+        progress(f"loading the target {_base(spec.target)}")
+        target = backend.load(spec.target, device=spec.device, dtype=spec.dtype)
+        kind = (BY_NAME[spec.head_kind].built_as if spec.head_kind in drafters.HEADS
+                else folder_head_kind(head))
+        pair = cls(backend, target, head=head, head_kind=kind if head else None,
+                   mtp_layers=mtp_layers_of(spec.target), history=history,
+                   spec=replace(spec, draft=None, head=head))
+        if draft_path:
+            pair.load_draft(draft_path, progress)
+        return pair
+
+    def load_draft(self, path: str, progress: Progress = lambda _stage: None) -> None:
+        """Load a draft model beside the target (after a kind that drafts with one was
+        chosen), in the spec's device and draft dtype, refused unless it shares the target's
+        vocabulary."""
+        from app import store
+
+        spec = self.spec or LoadSpec(path)
+        store.check_file(path)
+        progress(f"loading the draft model {_base(path)}")
+        draft = self.backend.load(path, device=spec.device, dtype=spec.draft_dtype or spec.dtype)
+        check_vocab_compatible(self.target, draft)  # refused at load, not at the first draft
+        self.draft, self.spec = draft, replace(spec, draft=path)
+        self._drafters = {}
+
+    def check(self, kind: str, tree: bool = False) -> Refusal | None:
+        """Why kind (a "<kind>:tree" too) cannot run on this pair, or None: kinds.check with
+        every fact of the loaded pair."""
+        return check(kind, self._runs(),
+                     capabilities=getattr(self.target, "capabilities", None), tree=tree,
+                     has_draft=self.draft is not None, has_head=self.head is not None,
+                     head_kind=self.head_kind, mtp_layers=self.mtp_layers,
+                     target=getattr(self.target, "name", "this target"))
+
+    def _runs(self) -> Any:
+        """The backend's declaration; a backend known only by name (a remote's, a test's) is
+        read from the table of backends."""
+        if self.backend is None:
+            return None
+        runs = getattr(self.backend, "runs", None)
+        if runs is None:
+            from backends import runs_of
+            runs = runs_of(self.backend.name)
+        return runs
+
+    def require(self, kind: str, tree: bool = False) -> None:
+        refusal = self.check(kind, tree)
+        if refusal is not None:
+            raise SpecdeckError(refusal.message)
+
+    def drafter(self, kind: str, tree: bool = False, vocab_limit: int = 0) -> Any:
+        """The drafter of kind ("<kind>:tree" drafts trees), built on first use and kept
+        with its caches."""
+        key = f"{kind}{'+tree' if tree else ''}@{vocab_limit}"
+        if key not in self._drafters:
+            self._drafters[key] = self.build(kind, tree=tree, vocab_limit=vocab_limit)
+        return self._drafters[key]
+
+    def build(self, kind: str, tree: bool = False, vocab_limit: int = 0) -> Any:
+        """A new drafter of kind (a stream slot's own: a drafter keeps per-request state)."""
+        base, suffixed = split(kind)
+        self.require(kind, tree)
+        return drafters.build_drafter(
+            base, self.target, backend=self.backend, draft=self.draft,
+            vocab_limit=vocab_limit, head=self.head if base in drafters.HEADS else None,
+            tree=tree or suffixed, history=self.history)
+
+    def forget_drafters(self) -> None:
+        """Drop the built drafters (a history turned off or cleared is read no more)."""
+        self._drafters = {}
+
+
+def installed_pair(target: str, files: str) -> tuple[Any, Any] | None:
+    """(target path, draft path) when `target` names a catalogue pair rather than a path."""
+    from app import store
+    from app.catalogue import registry
+
+    if Path(target).expanduser().exists() or target not in registry.load_catalogue().pairs:
+        return None
+    return store.installed_paths(target, files, need_draft=False)
+
+
+def catalogue_folder(path: str | None, files: str) -> str | None:
+    """A model (or head) given as a path, or as a catalogue model id `specdeck pull`
+    installed: its folder."""
+    from app import store
+    from app.catalogue import registry
+
+    models = registry.load_catalogue().models
+    if not path or Path(path).expanduser().exists() or path not in models:
+        return path
+    found = store.model_path(models[path], files)
+    if found is None:
+        pairs = [p.id for p in registry.load_catalogue().pairs.values()
+                 if p.drafter is not None and p.drafter.id == path]
+        pull = f"`specdeck pull {pairs[0]}`" if pairs else "`specdeck pull`"
+        raise SpecdeckError(f"{path} is not downloaded: {pull} fetches it")
+    return str(found)
+
+
+def folder_head_kind(path: str | None) -> str | None:
+    """The EAGLE kind of a head folder (its config and safetensors header, no torch)."""
+    if not path:
+        return None
+    from backends.heads.eagle_format import head_kind
+    return head_kind(path)
+
+
+def mtp_layers_of(target_path: str) -> int | None:
+    """The target's own MTP layers, from its config; None when the planner cannot read it
+    (the backend's builder then says whether it finds them)."""
+    from app.catalogue import target_info
+
+    try:
+        return target_info.describe(target_path).arch.mtp_layers
+    except Exception:  # noqa: BLE001 - an unread header leaves mtp to the builder; the load stands
+        return None
+
+
+def _base(path: str) -> str:
+    return Path(path.rstrip("/")).name

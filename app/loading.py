@@ -16,7 +16,7 @@ from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
 from app.drafters.kinds import fallback, require
 from app.pair import LoadSpec, Pair, folder_head_kind
-from backends import runs_of
+from backends import detect_backend, runs_of
 from backends.extras import files_of
 
 
@@ -100,7 +100,8 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
         kind, notes = given_head, (f"drafter: {given_head}, the head {spec.head} (given)",)
     else:
         given = spec.draft if args.draft else None  # a pair's own draft is the planner's to pick
-        kind, path, notes = auto_drafter(args.target, args.backend, args.device, given)
+        backend = detect_backend() if args.backend == "auto" else args.backend
+        kind, path, notes = auto_drafter(args.target, backend, args.device, given)
         spec = (replace(spec, draft=None, head=path, head_kind=kind)
                 if kind in drafters.HEADS else replace(spec, draft=path))
     speculates = args.k != 0

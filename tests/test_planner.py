@@ -326,8 +326,9 @@ def install_folder(model_id: str, tiny) -> None:
     (folder / store.MARKER).write_text(json.dumps({"load": "."}))
 
 
-def engine_args(target: str, drafter: str, no_history: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(target=target, drafter=drafter, draft=None, k=3, backend="torch",
+def engine_args(target: str, drafter: str, no_history: bool = False,
+                backend: str = "torch") -> SimpleNamespace:
+    return SimpleNamespace(target=target, drafter=drafter, draft=None, k=3, backend=backend,
                            device="cpu", dtype="float32", no_history=no_history)
 
 
@@ -351,6 +352,8 @@ def test_generate_accepts_an_installed_pair_id_and_auto_picks_its_draft(
     assert loaded.drafter_name == "chain"  # the pair's draft model, behind prompt lookup
     assert loaded.notes[0].startswith("drafter: draft qwen2.5-coder-0.5b-instruct-q4km")
     assert load_engine(engine_args(pair, "draft")).drafter_name == "draft"
+    # --backend auto (every surface's default) plans for the backend it detects
+    assert load_engine(engine_args(pair, "auto", backend="auto")).drafter_name == "chain"
 
 
 def test_a_4_bit_gguf_on_a_cpu_with_avx512_vnni_plans_w4a8_and_an_8_bit_source_never(

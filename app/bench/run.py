@@ -31,7 +31,7 @@ from app import drafters
 from app.bench.prompts import BenchPrompt
 from app.bench.records import Config, Record
 from app.bench.settings import WARMUP_TOKENS, BenchSettings
-from app.bench.stats import _report
+from app.bench.stats import BenchRun, bench_report
 from app.bench.verify_cost import verify_costs
 from app.core.engine import SpecEngine, check_k, last_done
 from app.core.prompt import encode_prompt
@@ -162,8 +162,8 @@ def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettin
             log(f"[{slot}/{settings.repeats * len(encoded)}] {prompt.category} {prompt.id}: "
                 + ", ".join(f"{r.config} {r.decode_tok_s:.1f}" for r in records[-len(runners):])
                 + " tok/s")
-    report = _report(target, draft, runners, unavailable, records, encoded, skipped,
-                     settings, chat, backend)
+    report = bench_report(BenchRun(target, draft, backend, runners, unavailable, records,
+                                   encoded, skipped, settings, chat))
     if settings.verify_rows:
         log(f"verify cost of {settings.verify_rows[0]}..{settings.verify_rows[-1]} rows")
         report["verify_cost"] = verify_costs(target, settings.verify_rows)

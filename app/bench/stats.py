@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from app.bench.prompts import BenchPrompt
@@ -150,10 +151,29 @@ def _at(values: Sequence[int], j: int) -> int:
     return values[j] if j < len(values) else 0
 
 
-def _report(target: Any, draft: Any, runners: Sequence[Any], unavailable: dict[str, str],
-            records: Sequence[Record], encoded: Sequence[tuple[BenchPrompt, list[int]]],
-            skipped: Sequence[str], settings: BenchSettings, chat: bool, backend: Any
-            ) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BenchRun:
+    """What one `specdeck bench` run measured: the models, the configurations (runners, and
+    those unavailable with why), every record, the prompts as encoded and those skipped."""
+
+    target: Any
+    draft: Any
+    backend: Any
+    runners: Sequence[Any]
+    unavailable: dict[str, str]
+    records: Sequence[Record]
+    encoded: Sequence[tuple[BenchPrompt, list[int]]]
+    skipped: Sequence[str]
+    settings: BenchSettings
+    chat: bool
+
+
+def bench_report(run: BenchRun) -> dict[str, Any]:
+    """The report (the --json document) of a run: per configuration its summaries overall
+    and per category, each greedy output checked against its baseline."""
+    target, draft, backend, runners = run.target, run.draft, run.backend, run.runners
+    unavailable, records, encoded, skipped = run.unavailable, run.records, run.encoded, run.skipped
+    settings, chat = run.settings, run.chat
     greedy = settings.temperature == 0
     by_config: dict[str, list[Record]] = {}
     for r in records:

@@ -144,7 +144,9 @@ def local_sources(target: Any, settings: Any, backend: Any, draft: Any, slots: i
                                       vocab_limit=settings.draft_vocab, head=settings.head,
                                       tree=tree)
 
-    scheduler = Streams(fork_engines(SpecEngine(target), slots), build)
+    engine = SpecEngine(target)
+    engine.warm_up()  # as serve does: every slot prices k from one probed cost curve
+    scheduler = Streams(fork_engines(engine, slots), build)
     room = _room(backend, target)
     sources: list[Source] = [LocalSource("plain", scheduler, "none", 0,
                                          memory_of(target, None, room))]

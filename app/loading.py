@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app import drafters
-from app.core.engine import SpecEngine
+from app.core.engine import SpecEngine, check_k
 from app.core.types import SpecdeckError
 from app.drafters.kinds import fallback, require
 from app.pair import LoadSpec, Pair, folder_head_kind
@@ -48,8 +48,7 @@ def load_engine(args: Any) -> Loaded:
 
     The way from the flags to the drafter: a LoadSpec, the kind decided (auto: the planner,
     before any loading), Pair.open, Pair.build (its one check of the kind)."""
-    if args.k != "auto" and args.k < 0:
-        raise SpecdeckError(f"--k must be >= 0 or auto (got {args.k})")
+    check_k(args.k)  # the engine's one rule, before minutes of loading
     if not args.target:
         raise SpecdeckError("give a target model with --target PATH (HF folder or .gguf)")
     spec = LoadSpec.from_flags(args).resolved()

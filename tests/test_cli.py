@@ -55,7 +55,7 @@ def test_draft_model_output_equals_plain_output(tiny_folder, capsys):
 
 BAD = [
     (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
-    (["--prompt", "w1", "--k", "-1"], "--k must be >= 0"),
+    (["--prompt", "w1", "--k", "-1"], "k must be an integer from 0 to"),
     (["--prompt", "w1", "--temperature", "-0.5"], "temperature must be >= 0"),
     (["--prompt", "w1", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prompt", "w1", "--top-p", "1.5"], "top_p must be in (0, 1]"),

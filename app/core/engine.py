@@ -7,6 +7,9 @@ samples through app/core/sampling.py.
 
 Pending-token invariant: the session's cache holds every committed token except the last,
 the pending token, which leads the next verify batch [pending, d1 .. dk].
+
+One concept over 500 lines: the step's phases share the generation's state (session, feed,
+k controller, stop rules), and split into modules they would pass it all back and forth.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any
 
 from app import drafters
 from app.core.types import SpecdeckError
-from app.drafters.kinds import BY_NAME, Refusal, check, split
+from app.drafters.kinds import BY_NAME, FALLBACKS, Refusal, check, fallback, split
 from app.drafters.pairing import check_vocab_compatible
 from backends import detect_backend, load_backend
 
@@ -134,6 +134,19 @@ class Pair:
                      has_draft=self.draft is not None, has_head=self.head is not None,
                      head_kind=self.head_kind, mtp_layers=self.mtp_layers,
                      target=getattr(self.target, "name", "this target"))
+
+    def fallback(self, kind: str) -> tuple[str, Refusal | None]:
+        """--drafter auto's last word on this pair: (kind, None) where it runs here, else
+        the first of kinds.FALLBACKS that does (none at worst) and kind's refusal, so auto
+        is never an error."""
+        target = getattr(self.target, "name", "this target")
+        chosen, refusal = fallback(kind, self._runs(),
+                                   getattr(self.target, "capabilities", None), target)
+        if refusal is None and (refusal := self.check(kind)) is None:
+            return kind, None
+        if chosen == kind or self.check(chosen) is not None:
+            chosen = next((k for k in FALLBACKS if self.check(k) is None), "none")
+        return chosen, refusal
 
     def _runs(self) -> Any:
         """The backend's declaration; a backend known only by name (a remote's, a test's) is

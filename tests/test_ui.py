@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.core.types import Done, RunStats, SpecdeckError, Step
+from app.loading import SUFFIX_NOTE
 from app.ui import build_app, model_bar
 from app.ui import chat as chat_module
 from app.ui.bench import BenchHandlers, report_frames, summary_markdown
@@ -224,8 +225,30 @@ def test_auto_drafter_says_which_kind_it_picked_and_why():
     assert bench.resolve("auto") == Choice("ngram", "auto: no draft model loaded, so prompt "
                                                     "lookup (n-gram)")
     bench.auto_kind = Choice("draft", "catalogue: a same-family draft model")
+    bench.draft = FakeTarget(4096)
     # a pair's draft model runs behind prompt lookup, the faster way to use it
     assert bench.resolve("auto") == Choice("chain", "catalogue: a same-family draft model")
+
+
+def test_auto_falls_back_where_its_choice_cannot_run_on_the_loaded_pair_and_says_why():
+    bench, _ = scripted_bench()
+    bench.auto_kind = Choice("eagle3", "auto: the pair's head")  # no head was loaded
+    choice = bench.resolve("auto")
+    assert choice.kind == "ngram" and choice.reason.startswith("auto: ngram (not eagle3: ")
+
+
+@pytest.mark.parametrize("history", [True, False])
+def test_auto_on_a_pair_is_the_planners_choice_its_lookup_the_suffix_cache_with_history(
+        history):
+    from app.loading import auto_drafter
+    from app.ui.models import auto_choice
+
+    bench = Workbench(history=history)  # an id the planner cannot read: it says so, ngram
+    kind, _path, notes = auto_drafter("no-such-pair", "torch", "cpu", None)
+    assert kind == "ngram"
+    assert auto_choice("no-such-pair", bench) == (
+        Choice("suffix", "auto: " + SUFFIX_NOTE) if history else
+        Choice("ngram", "auto: " + notes[0].removeprefix("drafter: ")))
 
 
 def submit_then(handlers: ChatHandlers, request: SimpleNamespace, action) -> list:

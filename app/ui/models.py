@@ -58,15 +58,27 @@ def load_pair(bench: Workbench, pair_id: str,
         raise SpecdeckError(f"pair {pair_id} is {status.note}: pick another pair")
     progress("checking the files")
     target, draft = store.installed_paths(pair_id, _store_backend(bench))
-    drafter = f" {pair.drafter.id}" if pair.drafter else ""
-    auto = Choice(pair.drafter_kind, f"auto: the pair's drafter, {pair.drafter_kind}{drafter} "
-                                     "(models.yaml)")
+    auto = auto_choice(pair_id, bench)
     head = str(draft) if draft and pair.drafter_kind in drafters.HEADS else None
     bench.load(str(target), None if head or not draft else str(draft), label=pair.name,
                pair_id=pair.id, head=head, auto_kind=auto, progress=progress)
     recent.remember_pair(pair.id)
     if pair.k and bench.default_k != "auto":  # auto, the app's default, picks k per step
         bench.default_k = pair.k
+
+
+def auto_choice(pair_id: str, bench: Workbench) -> Choice:
+    """What auto runs on a pair: the planner's choice, as `specdeck generate` and `serve`
+    make it (app/loading.auto_drafter: memory, what is downloaded, what the backend runs),
+    its lookup the suffix cache where the Chat lane keeps history; the reason its first note."""
+    from app.loading import SUFFIX_NOTE, auto_drafter, history_kind
+    from backends import detect_backend
+
+    backend = detect_backend() if bench.backend_name == "auto" else bench.backend_name
+    kind, _path, notes = auto_drafter(pair_id, backend, bench.device, None)
+    if history_kind(kind, bench.keeps_history, "auto") != kind:
+        return Choice("suffix", f"auto: {SUFFIX_NOTE}")
+    return Choice(kind, f"auto: {notes[0].removeprefix('drafter: ')}" if notes else "auto")
 
 
 def catalogue_frame(bench: Workbench) -> pd.DataFrame:

@@ -159,16 +159,27 @@ class Workbench:
     def resolve(self, kind: str) -> Choice:
         """Turn the drafter control's value into a buildable kind, with the reason."""
         if kind == "auto":
-            if self.auto_kind is not None:
-                built = drafters.RUN_AS.get(self.auto_kind.kind, self.auto_kind.kind)
-                return Choice(built, self.auto_kind.reason)
-            if self.draft is not None:
-                return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
-            return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
+            return self._runnable(self._auto())
         refusal = self.pair.check(kind)
         if refusal is not None:
             raise SpecdeckError(refusal.message)
         return Choice(kind, "plain decoding" if kind == "none" else f"chosen: {kind}")
+
+    def _auto(self) -> Choice:
+        if self.auto_kind is not None:
+            built = drafters.RUN_AS.get(self.auto_kind.kind, self.auto_kind.kind)
+            return Choice(built, self.auto_kind.reason)
+        if self.draft is not None:
+            return Choice("chain", f"auto: lookup, then the draft model {self.draft.name}")
+        return Choice("ngram", "auto: no draft model loaded, so prompt lookup (n-gram)")
+
+    def _runnable(self, choice: Choice) -> Choice:
+        """auto's choice where the loaded pair runs it, else its fallback and why (the
+        pair's one rule, as load_engine asks)."""
+        kind, refusal = self.pair.fallback(choice.kind)
+        if refusal is None:
+            return choice
+        return Choice(kind, f"auto: {kind} (not {choice.kind}: {refusal.reason})")
 
     def why_not(self, kind: str) -> str:
         """Why kind cannot run on the loaded models, or '' when it can (resolve's refusal)."""

@@ -22,7 +22,7 @@ from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError, Step  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from backends.torch.heads.dflash import load_dflash_drafter  # noqa: E402
+from backends.torch.head_weights.dflash import load_dflash_drafter  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.test_dflash import BACKENDS, GOLDEN_MLX, dflash, each_backend  # noqa: E402
 

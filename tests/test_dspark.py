@@ -57,7 +57,7 @@ def target():
 def dspark(on, folder: str | Path = FIX / "drafter", threshold: float = 0.0):
     """The DSpark drafter of a folder on `on`'s target, cut at `threshold`."""
     backend, target = on
-    module = importlib.import_module(f"backends.{backend.name}.heads.dspark")
+    module = importlib.import_module(f"backends.{backend.name}.head_weights.dspark")
     return module.load_dspark_drafter(target, str(folder), threshold)
 
 
@@ -245,7 +245,7 @@ def test_asking_a_deepseek_v4_target_for_mtp_names_its_dspark_stages(tmp_path):
 
     from safetensors.torch import save_file
 
-    from backends.torch.heads.mtp import load_mtp_drafter
+    from backends.torch.head_weights.mtp import load_mtp_drafter
 
     (tmp_path / "config.json").write_text(json.dumps(v4_config()))
     save_file({"mtp.0.main_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))

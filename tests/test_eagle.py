@@ -267,7 +267,7 @@ def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
 @pytest.mark.parametrize("ids", [None, (1, 4, 6), (3, 5, 7)])
 def test_a_head_saved_in_the_authors_layout_reloads_reading_the_same_layers(tmp_path, ids):
     from backends.heads.eagle_format import new_eagle3_spec
-    from backends.torch.heads.eagle import Eagle3Head, load_eagle_head, save_eagle3
+    from backends.torch.head_weights.eagle import Eagle3Head, load_eagle_head, save_eagle3
 
     spec = new_eagle3_spec("fresh", target_hidden_size=32, vocab_size=VOCAB, draft_vocab_size=16,
                            num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
@@ -304,7 +304,7 @@ def test_norm_variants_and_qk_norms_load_and_apply(deep_target, heads, tmp_path)
 
     from safetensors.torch import load_file, save_file
 
-    from backends.torch.heads.eagle import RMSNorm
+    from backends.torch.head_weights.eagle import RMSNorm
 
     folder = tmp_path / "variant"
     shutil.copytree(heads["speculators"], folder)

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
 from backends.torch.arrays import TorchArrays  # noqa: E402
-from backends.torch.heads.eagle import load_eagle_head  # noqa: E402
+from backends.torch.head_weights.eagle import load_eagle_head  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle"
 N_LAYERS, HIDDEN, VOCAB = 8, 32, 48
@@ -79,7 +79,7 @@ def mlx_tree_drafter(layout: str):
     import mlx.core as mx
 
     from backends.mlx.arrays import MlxArrays
-    from backends.mlx.heads.eagle import load_eagle_head as load_mlx_head
+    from backends.mlx.head_weights.eagle import load_eagle_head as load_mlx_head
 
     folder = FIXTURES / layout
     golden = mx.load(str(folder / "golden.safetensors"))

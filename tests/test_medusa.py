@@ -26,7 +26,7 @@ from backends import load_backend  # noqa: E402
 from backends.heads.medusa_drafter import MedusaDrafter, default_choices, medusa_logits  # noqa: E402
 from backends.heads.medusa_format import read_medusa  # noqa: E402
 from backends.torch.arrays import TorchArrays  # noqa: E402
-from backends.torch.heads.medusa import MedusaHeads  # noqa: E402
+from backends.torch.head_weights.medusa import MedusaHeads  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
@@ -57,7 +57,7 @@ def golden():
 def medusa(on, folder: str | Path, choices=None) -> MedusaDrafter:
     """The Medusa drafter of a head folder on `on`'s target."""
     backend, target = on
-    module = importlib.import_module(f"backends.{backend.name}.heads.medusa")
+    module = importlib.import_module(f"backends.{backend.name}.head_weights.medusa")
     return module.load_medusa_drafter(target, str(folder), choices)
 
 

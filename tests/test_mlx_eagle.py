@@ -139,7 +139,7 @@ def test_the_mlx_heads_logits_equal_the_torch_heads_for_two_draft_steps(twins, h
 def test_the_mlx_heads_draft_steps_one_and_two_match_the_authors_code(layout):
     """tests/fixtures/eagle's golden logits, computed with the authors' code (see
     test_eagle_golden.py for the torch head on the same values)."""
-    from backends.mlx.heads.eagle import load_eagle_head
+    from backends.mlx.head_weights.eagle import load_eagle_head
 
     folder = FIXTURES / layout
     golden = mx.load(str(folder / "golden.safetensors"))

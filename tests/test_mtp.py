@@ -33,7 +33,7 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.heads.mtp_format import detect_mtp, read_layout  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from backends.torch.heads.mtp import load_mtp_drafter  # noqa: E402
+from backends.torch.head_weights.mtp import load_mtp_drafter  # noqa: E402
 from tests.distributions import assert_follows, first_two_law  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402

@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from app.train import prompts as training_prompts  # noqa: E402
-from backends.torch.heads.eagle import Eagle3Head, load_eagle_head  # noqa: E402
+from backends.torch.head_weights.eagle import Eagle3Head, load_eagle_head  # noqa: E402
 from backends.torch.train_head import data, loop  # noqa: E402
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target  # noqa: E402
 from backends.torch.train_head.ttt import ttt_logits, ttt_step  # noqa: E402
@@ -183,7 +183,7 @@ def test_ttt_step_j_scores_what_the_chain_drafter_scores_at_its_step_j(tmp_path,
     from app.core.feed import StepFeed
     from app.core.types import SamplingParams
     from backends.torch.backend import TorchBackend
-    from backends.torch.heads.eagle import save_eagle3
+    from backends.torch.head_weights.eagle import save_eagle3
 
     target = tiny_llama(seed=3, vocab=VOCAB, layers=LAYERS)
     hf = target.hf
@@ -226,7 +226,7 @@ def test_every_round_of_a_decoding_drafts_what_ttt_scores_on_the_decoded_text(an
     from app.core.engine import SpecEngine, last_done
     from app.core.types import SamplingParams
     from backends.torch.backend import TorchBackend, TorchModel
-    from backends.torch.heads.eagle import save_eagle3
+    from backends.torch.head_weights.eagle import save_eagle3
 
     hf = tiny_target()
     head = fresh_head(hf)

@@ -6,7 +6,7 @@ over 2 x hidden, optional bias, the target's output layer); the two layer-index 
 and the default layer rule (../shared/docs/HEADS.md 0.1, 1.1, 2.1). Must not know: torch,
 how a head runs, the engine. Tensor names come from the safetensors header (8-byte length,
 then JSON), so reading a folder costs no weight I/O; `.bin` pickles are refused (safetensors
-only). Both backends' head loaders (torch here, backends/mlx/heads) read folders through this
+only). Both backends' head loaders (torch here, backends/mlx/head_weights) read folders through this
 module: it imports neither array library, so MLX-only installs import it too.
 
 Layer ids are returned as HF hidden-state indices in the capture-before convention: id L is

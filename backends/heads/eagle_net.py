@@ -6,8 +6,9 @@ Knows: one draft step of each head exactly as ../shared/docs/HEADS.md 1.2 and 2.
 the authors' parameter names (`midlayer.*`, `layers.N.*`, `fc`, `norm`, `lm_head`,
 `embed_tokens`, the `d2t`/`t2d` vocabulary maps), the head API the drafter reads
 (backends/heads/eagle_drafter.py). Must not know: an array library (the kit brings its
-modules, kernels and RoPE: backends/torch/heads/eagle.py, backends/mlx/heads/eagle.py), the
-engine, drafting policy, head folders (backends/heads/eagle_format.py).
+modules, kernels and RoPE: backends/torch/head_weights/eagle.py,
+backends/mlx/head_weights/eagle.py), the engine, drafting policy, head folders
+(backends/heads/eagle_format.py).
 
 Head API: `head.project(states)` = fc over the captured target states (ascending layer order)
 -> [..., H]; `head(embeds, hidden, positions, past=None, mask=None)` -> (h, present): h the

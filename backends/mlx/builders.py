@@ -14,10 +14,10 @@ from app.core.protocols import DrafterRequest
 from backends.builder_table import draft_model_builder, head_builder, own_layers_builder
 
 draft_model = draft_model_builder("backends.mlx.drafters", "DraftModelDrafter")
-mtp = own_layers_builder("backends.mlx.heads.mtp", "load_mtp_drafter")
-dflash = head_builder("backends.mlx.heads.dflash", "load_dflash_drafter")
-dspark = head_builder("backends.mlx.heads.dspark", "load_dspark_drafter")
-medusa = head_builder("backends.mlx.heads.medusa", "load_medusa_drafter")
+mtp = own_layers_builder("backends.mlx.head_weights.mtp", "load_mtp_drafter")
+dflash = head_builder("backends.mlx.head_weights.dflash", "load_dflash_drafter")
+dspark = head_builder("backends.mlx.head_weights.dspark", "load_dspark_drafter")
+medusa = head_builder("backends.mlx.head_weights.medusa", "load_medusa_drafter")
 
 
 def eagle(request: DrafterRequest) -> Any:
@@ -27,7 +27,7 @@ def eagle(request: DrafterRequest) -> Any:
     from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
     from backends.mlx.arrays import MlxArrays
     from backends.mlx.backend import _stored_dtype
-    from backends.mlx.heads.eagle import load_eagle_head, target_parts
+    from backends.mlx.head_weights.eagle import load_eagle_head, target_parts
 
     target = request.target
     embed, final_norm, output = target_parts(target.net, target.name)

@@ -16,10 +16,10 @@ from backends.torch.backend import FOUR_BIT, QUANTIZED
 from backends.torch.layer_choice import quantize_linears
 
 draft_model = draft_model_builder("app.drafters.draft_model", "DraftModelDrafter")
-mtp = own_layers_builder("backends.torch.heads.mtp", "load_mtp_drafter")
-dflash = head_builder("backends.torch.heads.dflash", "load_dflash_drafter")
-dspark = head_builder("backends.torch.heads.dspark", "load_dspark_drafter")
-medusa = head_builder("backends.torch.heads.medusa", "load_medusa_drafter")
+mtp = own_layers_builder("backends.torch.head_weights.mtp", "load_mtp_drafter")
+dflash = head_builder("backends.torch.head_weights.dflash", "load_dflash_drafter")
+dspark = head_builder("backends.torch.head_weights.dspark", "load_dspark_drafter")
+medusa = head_builder("backends.torch.head_weights.medusa", "load_medusa_drafter")
 
 
 def eagle(request: DrafterRequest) -> Any:
@@ -28,7 +28,7 @@ def eagle(request: DrafterRequest) -> Any:
     from backends.heads.eagle_drafter import EagleDrafter, TargetParts
     from backends.heads.head_rows import CHAIN_MIN_CONFIDENCE
     from backends.torch.arrays import TorchArrays
-    from backends.torch.heads.eagle import load_eagle_head
+    from backends.torch.head_weights.eagle import load_eagle_head
 
     target = request.target
     config = target.hf.config.get_text_config()

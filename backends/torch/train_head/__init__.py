@@ -28,7 +28,7 @@ from backends.torch.backend import (
     resolve_device,
     resolve_dtype,
 )
-from backends.torch.heads.eagle import Eagle3Head
+from backends.torch.head_weights.eagle import Eagle3Head
 from backends.torch.train_head import data, loop
 from backends.torch.train_head.export import export
 from backends.torch.train_head.head import draft_ids, new_head, start_from_target

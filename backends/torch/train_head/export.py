@@ -3,7 +3,7 @@
 Knows: the dtype heads are published in (bf16) and the training record kept beside the
 weights (specdeck.json, which engines ignore). The layout itself (HEADS.md 1.1 format A:
 config.json, `fc`, `midlayer.*`, `norm`, `lm_head`, int64 `d2t`, bool `t2d`, no layer ids
-for a head on the default layers) is written by backends/torch/heads/eagle.save_eagle3.
+for a head on the default layers) is written by backends/torch/head_weights/eagle.save_eagle3.
 Must not know: training.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from backends.torch.heads.eagle import Eagle3Head, save_eagle3
+from backends.torch.head_weights.eagle import Eagle3Head, save_eagle3
 
 
 def export(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.bfloat16,

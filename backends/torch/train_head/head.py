@@ -1,4 +1,4 @@
-"""A fresh EAGLE-3 head for a target, built on the one EAGLE-3 module (backends/torch/heads).
+"""A fresh EAGLE-3 head for a target, built on the one EAGLE-3 module (backends/torch/head_weights).
 
 Knows: how a target's config sizes a head (its layer mirrors one decoder layer of the target;
 no own `embed_tokens`: the target's table is shared, as in the authors' 8B heads; the head's
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from backends.heads.eagle_format import new_eagle3_spec
-from backends.torch.heads.eagle import Eagle3Head
+from backends.torch.head_weights.eagle import Eagle3Head
 
 
 def new_head(config: Any, draft_ids: torch.Tensor, name: str = "trained") -> Eagle3Head:

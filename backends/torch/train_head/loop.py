@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from backends.torch.heads.eagle import Eagle3Head
+from backends.torch.head_weights.eagle import Eagle3Head
 from backends.torch.train_head.data import Example
 from backends.torch.train_head.ttt import Batch, ttt_step
 from backends.train_progress import ProgressFn, TrainProgress

@@ -3,7 +3,7 @@ built on it from the same folders torch loads.
 
 Knows: the heads as mlx.nn linear layers, mx.load of the tensors the folder's spec names (lazy:
 of a Medusa-2 full model only the heads are read), the parts an mlx-lm target lends a head
-(backends/mlx/heads/eagle.py `target_parts`). Must not know: the folder's format
+(backends/mlx/head_weights/eagle.py `target_parts`). Must not know: the folder's format
 (backends/heads/medusa_format.py), the head math and drafting
 (backends/heads/medusa_drafter.py), the engine's loop.
 """
@@ -19,7 +19,7 @@ import mlx.nn as nn
 from backends.heads.medusa_drafter import MedusaDrafter
 from backends.heads.medusa_format import read_medusa
 from backends.mlx.arrays import MlxArrays
-from backends.mlx.heads.eagle import target_parts
+from backends.mlx.head_weights.eagle import target_parts
 
 
 class MedusaHeads(nn.Module):

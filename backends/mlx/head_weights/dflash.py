@@ -2,7 +2,7 @@
 (backends/heads/dflash_drafter.py) built on them from the same folders torch loads.
 
 Knows: the drafter's layers as mlx modules (HEADS.md §3.2, the math of
-backends/torch/heads/dflash.py and dflash2.py, held to the reference there and here): the
+backends/torch/head_weights/dflash.py and dflash2.py, held to the reference there and here): the
 target features of committed rows enter every draft layer only as keys and values through
 the same k/v projections as the block, which attends to them, to its cache and to itself
 without a causal mask; DFlash 2's grouped dynamic causal convolution around each sublayer and
@@ -35,7 +35,7 @@ from backends.heads.dflash_format import (
     read_spec,
 )
 from backends.mlx.arrays import MlxArrays
-from backends.mlx.heads.eagle import RMSNorm, target_parts
+from backends.mlx.head_weights.eagle import RMSNorm, target_parts
 
 KV = tuple[mx.array, mx.array]
 

@@ -37,7 +37,7 @@ from backends.heads.dflash_format import (
     read_spec,
 )
 from backends.torch.arrays import TorchArrays
-from backends.torch.heads.dflash2 import CandidateSelector, GroupedCausalConv, add_dflash2
+from backends.torch.head_weights.dflash2 import CandidateSelector, GroupedCausalConv, add_dflash2
 
 __all__ = ["DFlashDrafter", "DFlashLayer", "DFlashModel", "default_layer_ids",
            "load_dflash_drafter"]

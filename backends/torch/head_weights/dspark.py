@@ -2,7 +2,7 @@
 (backends/heads/dspark_drafter.py) built on them from a folder.
 
 Knows: the Markov and confidence heads as torch modules beside DFlash's layers
-(backends/torch/heads/dflash.py), torch's safetensors loading. Must not know: the folder's
+(backends/torch/head_weights/dflash.py), torch's safetensors loading. Must not know: the folder's
 format (backends/heads/dspark_format.py), drafting (the walk, the cut:
 backends/heads/dspark_drafter.py), surfaces, the engine's loop. Only DeepSpec's `vanilla`
 Markov head runs; the format refuses `gated` and `rnn` by name.
@@ -25,7 +25,7 @@ from backends.heads.dspark_format import (
     stored_names,
 )
 from backends.torch.arrays import TorchArrays
-from backends.torch.heads.dflash import DFlashModel
+from backends.torch.head_weights.dflash import DFlashModel
 
 
 class MarkovHead(torch.nn.Module):

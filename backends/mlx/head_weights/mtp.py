@@ -1,7 +1,7 @@
 """Native MTP layers inside a target checkpoint on MLX: the layer module, its step over an
 mlx-lm KVCache, and the loader (backends/heads/mtp_drafter.py drafts with them).
 
-Knows: the MTP layer as an mlx module (the math of backends/torch/heads/mtp.py) around a
+Knows: the MTP layer as an mlx module (the math of backends/torch/head_weights/mtp.py) around a
 decoder layer of the loaded mlx-lm model's own class (glm4_moe, deepseek_v3, mimo, qwen2,
 ...), built from the model's args; the model module's `sanitize`, which stacks per-expert MoE
 tensors as its SwitchGLU holds them (it drops MTP layers, so their tensors are read here
@@ -29,7 +29,7 @@ from app.core.types import SpecdeckError
 from backends.heads.mtp_drafter import MtpDrafter
 from backends.heads.mtp_format import MtpCheckpoint, mismatch, open_mtp, split_layer
 from backends.mlx.arrays import MlxArrays
-from backends.mlx.heads.eagle import target_parts
+from backends.mlx.head_weights.eagle import target_parts
 
 
 class MtpLayer(nn.Module):

@@ -2,7 +2,7 @@
 (backends/heads/dspark_drafter.py) built on them from the same folders torch loads.
 
 Knows: the Markov and confidence heads as mlx modules beside DFlash's layers
-(backends/mlx/heads/dflash.py; the math of backends/torch/heads/dspark.py), mx.load of
+(backends/mlx/head_weights/dflash.py; the math of backends/torch/head_weights/dspark.py), mx.load of
 safetensors. Must not know: the folder's format (backends/heads/dspark_format.py), drafting
 (the walk, the cut: backends/heads/dspark_drafter.py), the engine's loop.
 """
@@ -24,8 +24,8 @@ from backends.heads.dspark_format import (
     stored_names,
 )
 from backends.mlx.arrays import MlxArrays
-from backends.mlx.heads.dflash import DFlashModel, load_checked
-from backends.mlx.heads.eagle import target_parts
+from backends.mlx.head_weights.dflash import DFlashModel, load_checked
+from backends.mlx.head_weights.eagle import target_parts
 
 
 class MarkovHead(nn.Module):

@@ -16,8 +16,7 @@ from app.core.engine import SpecEngine, check_k
 from app.core.types import SpecdeckError
 from app.drafters.kinds import fallback, require
 from app.pair import LoadSpec, Pair, folder_head_kind
-from backends import detect_backend, runs_of
-from backends.extras import files_of
+from backends import runs_of
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def load_engine(args: Any) -> Loaded:
     drafter_kind, notes, spec = _kind_before_loading(args, spec, tree)
     pair = Pair.open(replace(spec, draft=None))
     if args.drafter == "auto":
-        drafter_kind, notes = _runnable(drafter_kind, notes, pair.backend, pair.target)
+        drafter_kind, notes = _runnable(drafter_kind, notes, pair)
     if spec.draft and drafter_kind in drafters.NEEDS_DRAFT_MODEL:  # auto may have fallen back
         pair.load_draft(spec.draft)
     pair.history = open_history(args, pair.target)
@@ -99,8 +98,8 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
         kind, notes = given_head, (f"drafter: {given_head}, the head {spec.head} (given)",)
     else:
         given = spec.draft if args.draft else None  # a pair's own draft is the planner's to pick
-        backend = detect_backend() if args.backend == "auto" else args.backend
-        kind, path, notes = auto_drafter(args.target, backend, args.device, given)
+        choice = Pair.auto(replace(spec, target=args.target), given)
+        kind, path, notes = choice.kind, choice.path, choice.reasons
         spec = (replace(spec, draft=None, head=path, head_kind=kind)
                 if kind in drafters.HEADS else replace(spec, draft=path))
     speculates = args.k != 0
@@ -119,33 +118,13 @@ def open_history(args: Any, target: Any) -> Any:
     return history.open_history(target.tokenizer, bounds_of(args))
 
 
-def _runnable(kind: str, notes: tuple[str, ...], backend: Any, target: Any
-              ) -> tuple[str, tuple[str, ...]]:
-    """auto's kind where it runs on the loaded target, else its fallback; the first note (the
-    line surfaces show for auto) then says why."""
-    chosen, refusal = fallback(kind, backend.runs, target.capabilities, target.name)
+def _runnable(kind: str, notes: tuple[str, ...], pair: Pair) -> tuple[str, tuple[str, ...]]:
+    """auto's kind where it runs on the opened target, else its fallback; the first note (the
+    line surfaces show for auto) then says why. Asked before the draft model loads (minutes,
+    for a kind that may not run): what is at hand is the backend and the target, not the
+    draft, so this is kinds.fallback on them, not the loaded pair's Pair.fallback."""
+    chosen, refusal = fallback(kind, pair.backend.runs, pair.target.capabilities,
+                               pair.target.name)
     if refusal is None:
         return kind, notes
-    return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})",
-                    *notes[1:])
-
-
-def auto_drafter(target: str, backend: str, device: str, draft_path: str | None
-                 ) -> tuple[str, str | None, tuple[str, ...]]:
-    """--drafter auto: the --draft model when given, else the planner's choice among the
-    drafters that are downloaded (a missing one is named in the notes, never fetched) and
-    that the backend runs (kinds.check, as every surface asks). The kind is the one to run
-    (a draft model runs as its chain, lookup first)."""
-    from app import store
-    from app.catalogue import planner
-
-    if draft_path:
-        return "chain", draft_path, (f"drafter: lookup, then the draft {draft_path} (given)",)
-    files = files_of(backend)  # llama.cpp plans over the GGUF files pulled for torch
-    try:
-        plan = planner.plan(target, files, device, runs=runs_of(backend),
-                            installed=lambda model: store.model_path(model, files))
-    except SpecdeckError as error:
-        return "ngram", None, (f"drafter: ngram (the planner could not read the target: {error})",)
-    path = str(plan.choice.path) if plan.choice.path else None
-    return drafters.RUN_AS.get(plan.choice.kind, plan.choice.kind), path, tuple(plan.reasons())
+    return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})", *notes[1:])

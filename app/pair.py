@@ -10,8 +10,9 @@ a catalogue model id to its folder), that pulled files are checked before they l
 head folder is the head drafter's input and never loads as a model, the draft model's
 vocabulary check, what a loaded pair lends a kind (the backend's declaration, the target's
 capabilities, a draft model, the head and its kind, the target's MTP layers), drafters built
-once per kind. Must not know: flags, Gradio or HTTP (the surfaces make the spec and say the
-messages), array libraries (backends load the models), the step loop.
+once per kind, auto's choice (the planner's, made before open since it decides what loads).
+Must not know: flags, Gradio or HTTP (the surfaces make the spec and say the messages), array
+libraries (backends load the models), the step loop.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class LoadSpec:
                        head=catalogue_folder(self.head, files))
 
 
+@dataclass(frozen=True)
+class AutoChoice:
+    """What --drafter auto runs: the kind, the draft model or head it loads, and why (the
+    first reason is the line the surfaces show)."""
+
+    kind: str
+    path: str | None
+    reasons: tuple[str, ...]
+
+
 class Pair:
     """The loaded target, its draft model and head, and their drafters (built once per kind)."""
 
@@ -111,6 +122,32 @@ class Pair:
         if draft_path:
             pair.load_draft(draft_path, progress)
         return pair
+
+    @staticmethod
+    def auto(spec: LoadSpec, given_draft: str | None = None) -> AutoChoice:
+        """--drafter auto before anything loads (the choice decides what loads): the given
+        draft model, else the planner's choice among the drafters that are downloaded (a
+        missing one is named in the reasons, never fetched) and that the backend runs. The
+        kind is the one to run (a draft model runs as its chain, lookup first)."""
+        from app import store
+        from app.catalogue import planner
+        from backends import runs_of
+        from backends.extras import files_of
+
+        if given_draft:
+            return AutoChoice("chain", given_draft,
+                              (f"drafter: lookup, then the draft {given_draft} (given)",))
+        backend = detect_backend() if spec.backend == "auto" else spec.backend
+        files = files_of(backend)  # llama.cpp plans over the GGUF files pulled for torch
+        try:
+            plan = planner.plan(spec.target, files, spec.device, runs=runs_of(backend),
+                                installed=lambda model: store.model_path(model, files))
+        except SpecdeckError as error:
+            return AutoChoice("ngram", None, ("drafter: ngram (the planner could not read "
+                                              f"the target: {error})",))
+        return AutoChoice(drafters.RUN_AS.get(plan.choice.kind, plan.choice.kind),
+                          str(plan.choice.path) if plan.choice.path else None,
+                          tuple(plan.reasons()))
 
     def load_draft(self, path: str, progress: Progress = lambda _stage: None) -> None:
         """Load a draft model beside the target (after a kind that drafts with one was

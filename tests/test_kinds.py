@@ -208,16 +208,15 @@ STUCK = Capabilities(rewind=False, hidden_states=True,
 
 def stuck_engine_args(tmp_path, drafter: str, monkeypatch) -> SimpleNamespace:
     """load_engine's flags for a target that cannot speculate, on a backend that loads it."""
-    import app.loading
     import app.pair
 
     target = FakeModel()
     target.name, target.capabilities = "tiny-hybrid", STUCK
     backend = SimpleNamespace(name="torch", runs=runs_of("torch"), load=lambda *_, **__: target)
     monkeypatch.setattr(app.pair, "load_backend", lambda _name: backend)
-    monkeypatch.setattr(app.loading, "auto_drafter",
-                        lambda *_: ("chain", "/drafts/d", ("drafter: draft d (the planner's)",
-                                                           "not eagle3: none here")))
+    monkeypatch.setattr(app.pair.Pair, "auto", staticmethod(
+        lambda *_: app.pair.AutoChoice("chain", "/drafts/d", ("drafter: draft d (the planner's)",
+                                                              "not eagle3: none here"))))
     return SimpleNamespace(k=4, target=str(tmp_path), drafter=drafter, draft=None,
                            backend="torch", device="cpu", dtype="float32", tree=False)
 

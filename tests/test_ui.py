@@ -240,11 +240,12 @@ def test_auto_falls_back_where_its_choice_cannot_run_on_the_loaded_pair_and_says
 @pytest.mark.parametrize("history", [True, False])
 def test_auto_on_a_pair_is_the_planners_choice_its_lookup_the_suffix_cache_with_history(
         history):
-    from app.loading import auto_drafter
+    from app.pair import LoadSpec, Pair
     from app.ui.models import auto_choice
 
     bench = Workbench(history=history)  # an id the planner cannot read: it says so, ngram
-    kind, _path, notes = auto_drafter("no-such-pair", "torch", "cpu", None)
+    chosen = Pair.auto(LoadSpec("no-such-pair", backend="torch", device="cpu"))
+    kind, notes = chosen.kind, chosen.reasons
     assert kind == "ngram"
     assert auto_choice("no-such-pair", bench) == (
         Choice("suffix", "auto: " + SUFFIX_NOTE) if history else

@@ -328,14 +328,12 @@ def _plan_auto(args: argparse.Namespace, target: str
                ) -> tuple[str, str | None, tuple[str, ...]]:
     """What --drafters auto runs for this target: the planner's choice (as generate, serve and
     the UI run it), its reasons printed."""
-    from app.loading import auto_drafter
-    from backends import detect_backend
+    from app.pair import LoadSpec, Pair
 
-    backend = detect_backend() if args.backend == "auto" else args.backend
-    kind, path, notes = auto_drafter(target, backend, args.device, args.draft)
-    for note in notes:
+    choice = Pair.auto(LoadSpec(target, backend=args.backend, device=args.device), args.draft)
+    for note in choice.reasons:
         _stderr(f"auto: {note}")
-    return kind, path, notes
+    return choice.kind, choice.path, choice.reasons
 
 
 def _head(path: str | None, backend: str) -> str | None:

@@ -69,13 +69,13 @@ def load_pair(bench: Workbench, pair_id: str,
 
 def auto_choice(pair_id: str, bench: Workbench) -> Choice:
     """What auto runs on a pair: the planner's choice, as `specdeck generate` and `serve`
-    make it (app/loading.auto_drafter: memory, what is downloaded, what the backend runs),
+    make it (Pair.auto: memory, what is downloaded, what the backend runs),
     its lookup the suffix cache where the Chat lane keeps history; the reason its first note."""
-    from app.loading import SUFFIX_NOTE, auto_drafter, history_kind
-    from backends import detect_backend
+    from app.loading import SUFFIX_NOTE, history_kind
+    from app.pair import LoadSpec, Pair
 
-    backend = detect_backend() if bench.backend_name == "auto" else bench.backend_name
-    kind, _path, notes = auto_drafter(pair_id, backend, bench.device, None)
+    chosen = Pair.auto(LoadSpec(pair_id, backend=bench.backend_name, device=bench.device))
+    kind, notes = chosen.kind, chosen.reasons
     if history_kind(kind, bench.keeps_history, "auto") != kind:
         return Choice("suffix", f"auto: {SUFFIX_NOTE}")
     return Choice(kind, f"auto: {notes[0].removeprefix('drafter: ')}" if notes else "auto")

@@ -122,6 +122,18 @@ def test_a_match_with_fewer_than_k_tokens_after_it_is_left_to_the_model(target):
     assert chain.members[1]._session.length > 0
 
 
+def test_with_history_a_short_request_continuation_is_still_left_to_the_model(target, tmp_path,
+                                                                             monkeypatch):
+    from app.store.history import History, HistoryStore
+    from backends.torch.backend import TorchBackend
+
+    monkeypatch.setenv("SPECDECK_HOME", str(tmp_path))
+    chain = build_drafter("chain", target, backend=TorchBackend(), draft=target,
+                          history=History(HistoryStore("tiny")))
+    draft = chain.propose([7, 1, 2, 3, 9, 1, 2, 3], 8)
+    assert (len(draft.tokens), draft.source) == (8, "draft")
+
+
 def test_lookup_first_drafting_keeps_the_output_of_a_repetitive_prompt(target, unrelated):
     # lookups draft deterministic tokens (one-hot q); tests/test_verify.py checks such drafts
     # keep the sampled distribution

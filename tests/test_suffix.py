@@ -72,6 +72,14 @@ def test_the_longer_match_wins_between_request_and_history():
         == (4, 5, 6)
 
 
+def test_a_member_behind_lookup_leaves_the_request_to_it():
+    assert drafter(request=False, tree=False).propose([1, 2, 3, 4, 1, 2], 4).tokens == ()
+    history = [[1, 2, 3, 4, 5, 6]]
+    draft = drafter(history, request=False, tree=False).propose([9, 1, 2], 4)
+    assert draft.tokens == (3, 4) and draft.source == f"suffix:{HISTORY}"
+    assert drafter(request=False).bound("other").request is False
+
+
 def test_min_match_holds_back_short_matches():
     assert drafter(min_match=3).propose([1, 2, 3, 4, 1, 2], 4).tokens == ()
     assert drafter(min_match=2).propose([1, 2, 3, 4, 1, 2], 4).tokens == (3, 4)

@@ -265,7 +265,9 @@ class SuffixDrafter:
     history: where past records are indexed (None: the request only); partition: whose
     history (app/store/history.py's partition_of); tree: draft trees (the target takes
     them); min_match: the shortest match that drafts (a chain member ahead of a model needs a
-    match worth pre-empting the model for).
+    match worth pre-empting the model for); request: match this request too (a member behind
+    prompt lookup leaves the request to it: lookup declines a short continuation so that the
+    model drafts, and a request match here would pre-empt the model with that same short one).
     """
 
     capture_layers: tuple[int, ...] = ()
@@ -273,13 +275,14 @@ class SuffixDrafter:
     def __init__(self, history: HistorySource | None = None, partition: str = "local", *,
                  tree: bool = True, min_match: int = 1, max_nodes: int = TREE_NODES,
                  max_spec_factor: float = MAX_SPEC_FACTOR,
-                 min_token_prob: float = MIN_TOKEN_PROB, name: str = "suffix") -> None:
+                 min_token_prob: float = MIN_TOKEN_PROB, name: str = "suffix",
+                 request: bool = True) -> None:
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1 (got {min_match})")
         self.history, self.partition, self.tree = history, partition, tree
         self.min_match, self.max_nodes = min_match, max_nodes
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
-        self.name = name
+        self.name, self.request = name, request
         self._index: SuffixIndex | None = None
         self._memo: tuple[int, int, list[Match]] | None = None
 
@@ -287,7 +290,8 @@ class SuffixDrafter:
         """The same drafter for another partition (its own state; the history shared)."""
         return SuffixDrafter(self.history, partition, tree=self.tree, min_match=self.min_match,
                              max_nodes=self.max_nodes, max_spec_factor=self.max_spec_factor,
-                             min_token_prob=self.min_token_prob, name=self.name)
+                             min_token_prob=self.min_token_prob, name=self.name,
+                             request=self.request)
 
     def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: np.random.Generator) -> None:
@@ -314,7 +318,7 @@ class SuffixDrafter:
         key = (len(context), int(context[-1]) if len(context) else -1)
         if self._memo is not None and self._memo[:2] == key:
             return self._memo[2]
-        found = [request_match(context, self.min_match)]
+        found = [request_match(context, self.min_match)] if self.request else []
         if self._index is not None:
             found.append(self._index.match(context, self.min_match))
         matches = [m for m in found if m is not None]

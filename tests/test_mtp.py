@@ -24,6 +24,8 @@ from transformers import (  # noqa: E402
     Glm4MoeForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
 )
 
 from app.catalogue import planner  # noqa: E402
@@ -97,6 +99,58 @@ def mimo_folder(root: Path) -> Path:
     return folder
 
 
+def qwen3_5_folder(root: Path, moe: bool = False) -> Path:
+    """A Qwen3.5-style hybrid target (a Gated DeltaNet layer, then full attention; MoE layers
+    where moe) whose checkpoint holds the MTP block under `mtp.`: the full-attention layer
+    saved as layer 2, renamed `mtp.layers.0.`, beside pre_fc_norm_embedding,
+    pre_fc_norm_hidden, fc and norm ((1 + w) norms: small w), and mtp_num_hidden_layers in the
+    config, as Qwen3.5 ships it."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from tests.tiny_families import _COMMON, _LINEAR
+
+    torch.manual_seed(2)
+    sizes = {**_COMMON, **_LINEAR, "vocab_size": 48, "num_hidden_layers": 3,
+             "layer_types": ["linear_attention", "full_attention", "full_attention"]}
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16)) if moe else \
+        Qwen3_5ForCausalLM(Qwen3_5TextConfig(**sizes, intermediate_size=64))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    folder = root / ("qwen3_5_moe" if moe else "qwen3_5")
+    model.save_pretrained(folder)
+    tiny_tokenizer(48).save_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    renamed = {k.replace("model.layers.2.", "mtp.layers.0."): v for k, v in state.items()}
+    renamed.update({f"mtp.{name}.weight": 0.1 * torch.randn(HIDDEN)
+                    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+    renamed["mtp.fc.weight"] = 0.2 * torch.randn(HIDDEN, 2 * HIDDEN)
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _edit_config(folder, num_hidden_layers=2, mtp_num_hidden_layers=1)
+    return folder
+
+
+def multimodal_folder(folder: Path) -> Path:
+    """The text-only Qwen3.5 folder as Qwen3.5's published checkpoints lay it out: model_type
+    qwen3_5 with a text_config, `model.language_model.*` tensors, `mtp.*` beside them."""
+    laid = folder.with_name(f"{folder.name}-vl")
+    if laid.exists():
+        return laid
+    laid.mkdir()
+    text = json.loads((folder / "config.json").read_text())
+    (laid / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False,
+        "architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    stored = load_file(str(folder / "model.safetensors"))
+    save_file({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k:
+               v for k, v in stored.items()}, str(laid / "model.safetensors"))
+    for file in folder.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "special_tokens_map.json":
+            shutil.copy(file, laid / file.name)
+    return laid
+
+
 def mlx_folder(folder: Path) -> Path:
     """The folder as MLX loads it: a MiMo folder says model_type mimo, as MiMo's published
     config does (transformers has no MiMo class, so torch loads it as the Qwen2 it is)."""
@@ -139,7 +193,8 @@ def _edit_config(folder: Path, **changes) -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {"glm": glm_folder(root), "mimo": mimo_folder(root)}
+    return {"glm": glm_folder(root), "mimo": mimo_folder(root), "qwen3_5": qwen3_5_folder(root),
+            "qwen3_5_moe": qwen3_5_folder(root, moe=True)}
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +218,33 @@ def test_mtp_layouts_are_detected_from_config_and_tensor_names(folders):
     assert detect_mtp({"num_hidden_layers": 4}, ["mtp.fc.weight"]) is None
 
 
+def test_the_qwen3_5_mtp_block_is_fc_over_the_normed_embedding_then_hidden(folders, targets):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    target = targets["qwen3_5"]
+    stored = load_file(str(folders["qwen3_5"] / "model.safetensors"))
+    reference = Qwen3_5DecoderLayer(target.hf.config, layer_idx=1).eval()  # full attention
+    reference.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in stored.items()
+                               if k.startswith("mtp.layers.0.")})
+    drafter = load_mtp_drafter(target)
+    hidden, embeds = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
+    positions = torch.arange(5)[None]
+
+    def norm(x, name):  # Qwen3.5's RMSNorm scales by 1 + w
+        w = stored[f"mtp.{name}.weight"]
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+
+    fused = torch.cat([norm(embeds, "pre_fc_norm_embedding"),
+                       norm(hidden, "pre_fc_norm_hidden")], -1) @ stored["mtp.fc.weight"].T
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    args = {"position_ids": positions, "attention_mask": mask,
+            "position_embeddings": target.hf.model.rotary_emb(fused[None], positions)}
+    with torch.inference_mode():
+        ours = drafter.step.layer(hidden, embeds, **args)
+        theirs = norm(reference(fused[None], **args)[0], "norm")
+    torch.testing.assert_close(ours, theirs)
+
+
 def test_the_planner_says_native_mtp_for_a_local_target_that_carries_it(folders):
     plan = planner.plan(str(folders["glm"]), "torch", "cpu", 10**12)
     assert plan.choice.kind == "mtp"
@@ -184,7 +266,7 @@ def test_the_glm_mtp_block_with_per_expert_names_equals_transformers_own_layer(f
 
 
 @pytest.mark.parametrize("on", BACKENDS, indirect=True)
-@pytest.mark.parametrize("name", ["glm", "mimo"])
+@pytest.mark.parametrize("name", ["glm", "mimo", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("k", [*heavy(1, 2), 4, *heavy(7)])
 def test_greedy_mtp_gives_exactly_the_oracles_tokens(on, name, k):
     backend, targets = on
@@ -199,7 +281,7 @@ def test_greedy_mtp_gives_exactly_the_oracles_tokens(on, name, k):
 
 
 @pytest.mark.parametrize("on", BACKENDS, indirect=True)
-@pytest.mark.parametrize("name", ["glm", "mimo"])
+@pytest.mark.parametrize("name", ["glm", "mimo", "qwen3_5"])
 def test_a_drafted_chain_is_k_long_and_its_cache_keeps_committed_pairs_only(on, name):
     backend, targets = on
     target = targets[name]
@@ -229,7 +311,7 @@ class Recording(RecordingDrafter):
 
 
 @needs_mlx
-@pytest.mark.parametrize("name", ["glm", "mimo"])
+@pytest.mark.parametrize("name", ["glm", "mimo", "qwen3_5", "qwen3_5_moe"])
 def test_mlx_drafts_the_chains_torch_drafts_from_the_same_states(folders, name):
     runs = {}
     for backend in ("torch", "mlx"):
@@ -242,6 +324,18 @@ def test_mlx_drafts_the_chains_torch_drafts_from_the_same_states(folders, name):
     assert len(runs["mlx"][1]) > 3
     for mlx_state, torch_state in zip(runs["mlx"][2], runs["torch"][2]):
         np.testing.assert_allclose(mlx_state, torch_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qwen3_5s_multimodal_layout_drafts_the_chains_of_its_text_only_layout(folders, backend):
+    runs = []
+    for folder in (folders["qwen3_5"], multimodal_folder(folders["qwen3_5"])):
+        target = load(backend, folder)
+        drafter = Recording(build_drafter("mtp", target, backend=backend_of(backend)))
+        done = list(SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=16),
+                                                drafter=drafter, k=3))[-1]
+        runs.append((done.token_ids, drafter.chains))
+    assert runs[0] == runs[1] and len(runs[0][1]) > 2
 
 
 @pytest.mark.heavy  # 500 sampled generations

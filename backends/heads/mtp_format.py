@@ -6,11 +6,14 @@ eh_proj, shared_head.{norm, head}}` plus a decoder layer, fused as
 `eh_proj(cat(enorm(embed), hnorm(hidden)))`, embedding first; MiMo
 `model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}` plus a
 Qwen2 layer, fused as `input_proj(cat(hidden_layernorm(hidden), token_layernorm(embed)))`,
-hidden first; Qwen3-Next / Qwen3.5 `mtp.*` (detected; their targets keep recurrent state,
-refused). The names an MTP layer module gives its parts on every backend (`proj`,
-`embed_norm`, `hidden_norm`, `out_norm`, `head`, `layer.*`). Must not know: an array library
-(tensor names are read from the safetensors headers; each backend reads the tensors),
-drafting, the engine's loop.
+hidden first; Qwen3-Next / Qwen3.5 / Qwen3.6 `mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden,
+fc, norm}` plus `mtp.layers.0.*`, a full-attention decoder layer of the target's own class,
+fused as `fc(cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(hidden)))`, embedding first
+(vLLM's qwen3_5_mtp.py and qwen3_next_mtp.py; the norms are the target's own (1 + w) RMSNorm,
+the embedding and output layer the target's). The names an MTP layer module gives its parts
+on every backend (`proj`, `embed_norm`, `hidden_norm`, `out_norm`, `head`, `layer.*`). Must
+not know: an array library (tensor names are read from the safetensors headers; each backend
+reads the tensors), drafting, the engine's loop.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from app.drafters.own_layers import dspark_stages_refusal, has_dspark_stages, mt
 T = TypeVar("T")
 # per style: the stored names of the fusing projection, embedding norm, hidden norm, out norm
 FUSE = {"deepseek": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
-        "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm")}
+        "mimo": ("input_proj", "token_layernorm", "hidden_layernorm", "final_layernorm"),
+        "qwen3_next": ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+QWEN_LAYER = "layers.0."  # Qwen3-Next / 3.5's first MTP decoder layer, inside `mtp.`
 _PARTS = ("proj", "embed_norm", "hidden_norm", "out_norm")
 OWN_HEAD = "shared_head.head.weight"  # DeepSeek's own output layer, when a checkpoint has one
 
@@ -55,7 +60,9 @@ class MtpCheckpoint:
     @property
     def index(self) -> int:
         """The first MTP layer's index: N for DeepSeek-style layers (past the last decoder
-        layer), i for MiMo's."""
+        layer), i for MiMo's, 0 for Qwen3-Next / 3.5's (`mtp.layers.0`)."""
+        if self.layout.style == "qwen3_next":
+            return 0
         return int(self.prefix.rstrip(".").rsplit(".", 1)[-1])
 
 
@@ -109,9 +116,17 @@ def open_mtp(target: Any) -> MtpCheckpoint:
     if layout.style not in FUSE:
         raise SpecdeckError(f"{target.name}: MTP layout {layout.style} is not supported")
     prefix = layout.prefixes[0]
-    keys = {file: tuple(k for k in file_keys if k.startswith(prefix))
+    keys = {file: tuple(k for k in file_keys if k.startswith(prefix) and _first_layer(k, layout))
             for file, file_keys in names.items()}
     return MtpCheckpoint(layout, {file: k for file, k in keys.items() if k})
+
+
+def _first_layer(key: str, layout: MtpLayout) -> bool:
+    """Whether a tensor under the MTP prefix belongs to the first MTP layer (Qwen's `mtp.*`
+    may hold more decoder layers, `mtp.layers.{i}`, beside the shared norms and fc)."""
+    own = key.removeprefix(layout.prefixes[0])
+    return layout.style != "qwen3_next" or not own.startswith("layers.") or \
+        own.startswith(QWEN_LAYER)
 
 
 def split_layer(stored: Mapping[str, T], checkpoint: MtpCheckpoint
@@ -125,6 +140,8 @@ def split_layer(stored: Mapping[str, T], checkpoint: MtpCheckpoint
     if OWN_HEAD in own:
         fuse["head.weight"] = own.pop(OWN_HEAD)
     own.pop("embed_tokens.weight", None)  # DeepSeek's copy of the target's embedding
+    if checkpoint.layout.style == "qwen3_next":
+        own = {k.removeprefix(QWEN_LAYER): v for k, v in own.items()}
     return fuse, own
 
 

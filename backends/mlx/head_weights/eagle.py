@@ -165,7 +165,11 @@ def target_parts(net: Any, name: str) -> tuple[Any, Any, Any]:
     if embed is None or norm is None:
         raise SpecdeckError(f"{name}'s mlx-lm model keeps no model.embed_tokens / model.norm, "
                             "which an EAGLE head reads: use --backend torch")
-    lm_head = _child(outer, "lm_head")  # absent when tied to the embedding
+    # a multimodal model (Qwen3.5's) lends its text model's `model` as a property, and keeps
+    # the output layer on the text model; absent when tied to the embedding
+    lm_head = _child(outer, "lm_head")
+    if lm_head is None:
+        lm_head = _child(_child(net, "language_model"), "lm_head")
     return embed, norm, lm_head if lm_head is not None else embed.as_linear
 
 

@@ -105,9 +105,11 @@ def _build(target: Any, checkpoint: MtpCheckpoint) -> MtpLayer:
     layer, layer_class = _decoder_layer(target, checkpoint)
     fuse, own = split_layer(_tensors(target, checkpoint), checkpoint)
     head_rows = int(fuse["head.weight"].shape[0]) if "head.weight" in fuse else 0
-    args = net.args
+    args = _text_args(net)
     mtp = MtpLayer(style, int(args.hidden_size), float(args.rms_norm_eps), layer, head_rows)
     weights = fuse | {f"layer.{k}": v for k, v in _sanitized(net, own).items()}
+    if style == "qwen3_next" and _transformers_form(checkpoint):
+        weights = _shifted_norms(weights)
     names = {name for name, _ in tree_flatten(mtp.parameters())}
     if names != set(weights):
         raise mismatch(target.name, checkpoint, layer_class, names - set(weights),
@@ -130,17 +132,52 @@ def _decoder_layer(target: Any, checkpoint: MtpCheckpoint) -> tuple[nn.Module, s
     if getattr(layer_class, "_specdeck_hooked", False):  # a capture hook's subclass
         layer_class = layer_class.__mro__[1]
     name = f"{layer_class.__module__.rsplit('.', 1)[-1]}.{layer_class.__name__}"
-    args = getattr(net, "args", None)
+    args = _text_args(net)
     try:
         if args is None:
             raise TypeError("the model keeps no args to build a layer from")
         if "layer_idx" in inspect.signature(layer_class).parameters:
-            index = checkpoint.index if checkpoint.layout.style == "deepseek" else 0
-            return layer_class(args, layer_idx=index), name
+            return layer_class(args, layer_idx=_layer_index(net, checkpoint)), name
         return layer_class(args), name
     except (TypeError, ValueError, AttributeError) as error:
         raise SpecdeckError(f"{target.name}: mlx-lm's {name} cannot build its MTP layer "
                             f"({error}): use --backend torch") from error
+
+
+def _text_args(net: Any) -> Any:
+    """The args the decoder layers are built from (a multimodal model's text model's)."""
+    inner = getattr(net, "language_model", None)
+    return getattr(inner, "args", None) or getattr(net, "args", None)
+
+
+def _layer_index(net: Any, checkpoint: MtpCheckpoint) -> int:
+    """The index the MTP decoder layer is built as, which picks its kind: DeepSeek-style
+    layers sit past the last layer; Qwen3-Next / 3.5's is full attention (the index of the
+    target's first attention layer, as mlx-lm's hybrid layers read their kind off it)."""
+    if checkpoint.layout.style == "deepseek":
+        return checkpoint.index
+    return next((i for i, layer in enumerate(net.layers)
+                 if not getattr(layer, "is_linear", False)), 0)
+
+
+def _transformers_form(checkpoint: MtpCheckpoint) -> bool:
+    """Whether the folder holds transformers' tensors (a conv1d kernel not yet moved), whose
+    Qwen3-Next / 3.5 norms scale by 1 + w: mlx-lm's own test for shifting them on load."""
+    for file in checkpoint.keys:
+        stored = mx.load(str(file))  # lazy: shapes only
+        for key, value in stored.items():
+            if "conv1d.weight" in key:
+                return value.shape[-1] != 1
+    return True  # mlx-lm's conversion drops mtp.*: tensors found beside it are transformers'
+
+
+def _shifted_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The (1 + w) norms as mlx's RMSNorm holds them (w + 1), as mlx-lm's sanitize shifts the
+    target's own."""
+    norms = ("embed_norm.weight", "hidden_norm.weight", "out_norm.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+             "k_norm.weight")
+    return {k: v + 1.0 if k.endswith(norms) and v.ndim == 1 else v for k, v in weights.items()}
 
 
 def _tensors(target: Any, checkpoint: MtpCheckpoint) -> dict[str, mx.array]:
@@ -160,6 +197,7 @@ def _sanitized(net: Any, own: dict[str, mx.array]) -> dict[str, mx.array]:
     the layers it has), then renamed back."""
     if not hasattr(net, "sanitize"):
         return own
-    prefix = f"model.layers.{len(net.layers) - 1}."
-    sanitized = net.sanitize({prefix + k: v for k, v in own.items()})
-    return {k.removeprefix(prefix): v for k, v in sanitized.items() if k.startswith(prefix)}
+    layer = f"layers.{len(net.layers) - 1}."
+    sanitized = net.sanitize({f"model.{layer}{k}": v for k, v in own.items()})
+    # a multimodal model's sanitize moves them under language_model.
+    return {k.split(layer, 1)[1]: v for k, v in sanitized.items() if layer in k}

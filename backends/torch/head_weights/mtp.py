@@ -103,10 +103,7 @@ def _build(target: Any, checkpoint: MtpCheckpoint, tensors: dict[str, torch.Tens
     config = _sdpa_config(target.hf.config.get_text_config())
     layer_class = type(target.hf.model.layers[-1])
     style = checkpoint.layout.style
-    # the decoder layer of the MTP block is the target's own kind: DeepSeek-style MTP layers
-    # sit at index N, past the last layer (MoE as the deeper layers are); MiMo's is a plain
-    # full-attention Qwen2 layer, built as layer 0
-    layer = layer_class(config, layer_idx=checkpoint.index if style == "deepseek" else 0)
+    layer = layer_class(config, layer_idx=_layer_index(config, checkpoint))
     for module in layer.modules():  # one cache per MTP layer: its attention is layer 0 there
         if hasattr(module, "layer_idx"):
             module.layer_idx = 0
@@ -121,6 +118,17 @@ def _build(target: Any, checkpoint: MtpCheckpoint, tensors: dict[str, torch.Tens
     if missing or unexpected:
         raise mismatch(target.name, checkpoint, layer_class.__name__, missing, unexpected)
     return mtp.to(device=target.device, dtype=target.hf.dtype).eval()
+
+
+def _layer_index(config: Any, checkpoint: MtpCheckpoint) -> int:
+    """The index the MTP decoder layer is built as, which picks its kind: DeepSeek-style MTP
+    layers sit at N, past the last layer (MoE as the deeper layers are); MiMo's is a plain
+    full-attention Qwen2 layer (0); Qwen3-Next / 3.5's is full attention (the first such
+    index, where a hybrid target's layer types say which kind a layer is)."""
+    if checkpoint.layout.style == "deepseek":
+        return checkpoint.index
+    types = list(getattr(config, "layer_types", None) or ())
+    return types.index("full_attention") if "full_attention" in types else 0
 
 
 def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

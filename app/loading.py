@@ -92,7 +92,7 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
         spec = replace(spec, draft=None, head=spec.draft)
     if kind != "auto":
         if given_head and kind in drafters.NEEDS_DRAFT_MODEL:
-            raise SpecdeckError(f"{spec.head} is an EAGLE head, not a draft model: use "
+            raise SpecdeckError(f"{spec.head} is {_a_head(given_head)}, not a draft model: use "
                                 f"--drafter {given_head}")
     elif given_head:
         kind, notes = given_head, (f"drafter: {given_head}, the head {spec.head} (given)",)
@@ -128,3 +128,7 @@ def _runnable(kind: str, notes: tuple[str, ...], pair: Pair) -> tuple[str, tuple
     if refusal is None:
         return kind, notes
     return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})", *notes[1:])
+
+
+def _a_head(kind: str) -> str:
+    return "Gemma 4's assistant" if kind == "assistant" else "an EAGLE head"

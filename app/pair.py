@@ -252,11 +252,14 @@ def catalogue_folder(path: str | None, files: str) -> str | None:
 
 
 def folder_head_kind(path: str | None) -> str | None:
-    """The EAGLE kind of a head folder (its config and safetensors header, no torch)."""
+    """The kind of a head folder given as a draft: an EAGLE head's (its config and safetensors
+    header, no torch) or Gemma 4's assistant (its config's model_type)."""
     if not path:
         return None
+    from backends.heads.assistant_format import is_assistant
     from backends.heads.eagle_format import head_kind
-    return head_kind(path)
+
+    return "assistant" if is_assistant(path) else head_kind(path)
 
 
 def mtp_layers_of(target_path: str) -> int | None:

@@ -69,7 +69,7 @@ def test_every_kind_has_one_record():
 def test_the_old_kind_sets_are_read_from_the_table():
     assert drafters.NEEDS_DRAFT_MODEL == {"draft", "chain"}
     assert drafters.HEADS == {"medusa", "dflash", "dspark", "eagle3", "eagle", "lookup+eagle3",
-                              "lookup+eagle"}
+                              "lookup+eagle", "assistant"}
     assert set(drafters.TREES) == {"eagle3", "eagle"}
     assert drafters.OWN_MODEL == drafters.HEADS | drafters.NEEDS_DRAFT_MODEL
 
@@ -86,8 +86,9 @@ def test_each_backend_runs_what_it_ran_before_the_table(backend):
     assert {k for k in RAN[backend] if not kinds.chains_only(k, runs)} == PLANNED[backend]
 
 
-def test_mlx_builds_every_kind_the_reference_backend_builds():
-    assert runs_of("mlx").builds == runs_of(kinds.REFERENCE).builds
+def test_mlx_builds_every_kind_the_reference_backend_builds_but_gemma_4s_assistant():
+    # mlx-lm 0.32 has no gemma4_assistant: on MLX it is refused, naming --backend torch
+    assert runs_of("mlx").builds == runs_of(kinds.REFERENCE).builds - {"assistant"}
 
 
 @pytest.fixture

@@ -109,6 +109,10 @@ TABLE = (
          "hidden states", downloads=True, rank=2, source=SHIPPED,
          why="a block drafter shipped for the target: one forward drafts a block, and its "
          "confidence head says where to cut it", captures=PER_DRAFTER_LAYER),
+    # the planner never picks it on its own (no catalogue pair ships one yet): a given folder
+    # is recognised from its config (app/pair.py's folder_head_kind)
+    Kind("assistant", HEAD, "Gemma 4's assistant: a small drafter reading the target's keys "
+         "and values (gemma4_assistant)", downloads=True, captures=3),
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
          trees=ALWAYS, rank=8, source=FREE, why="its tree costs many verify rows per step",
          kv_cache=False),

@@ -9,7 +9,7 @@ from app.core.protocols import Capabilities, Runs
 # kind -> its builder in backends/torch/builders.py (imported when a drafter is made): a draft
 # model, each head, the target's own MTP layers
 BUILDERS = {"draft": "draft_model", "eagle3": "eagle", "eagle": "eagle", "medusa": "medusa",
-            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
+            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "assistant": "assistant"}
 # 4D masks verify trees
 RUNS = Runs("torch", frozenset(BUILDERS),
             Capabilities(rewind=True, hidden_states=True, tree_attention=True))

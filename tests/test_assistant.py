@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,6 +27,7 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from app.pair import folder_head_kind  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
+from tests.distributions import assert_follows, first_two_law  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.tiny import VOCAB, tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -38,26 +40,26 @@ _SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
           "bos_token_id": 0, "pad_token_id": 0}
 
 
-def gemma4_target(seed: int = 1) -> TorchModel:
+def gemma4_target(seed: int = 1, vocab: int = VOCAB) -> TorchModel:
     """Four layers, sliding then full twice: layers 2 and 3 store the keys and values."""
     torch.manual_seed(seed)
-    config = Gemma4TextConfig(**_SIZES, num_hidden_layers=4,
+    config = Gemma4TextConfig(**{**_SIZES, "vocab_size": vocab}, num_hidden_layers=4,
                               layer_types=["sliding_attention", "full_attention"] * 2)
     hf = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    return TorchModel(hf, tiny_tokenizer(), name=f"tiny-gemma4-{seed}", device="cpu")
+    return TorchModel(hf, tiny_tokenizer(vocab), name=f"tiny-gemma4-{seed}", device="cpu")
 
 
-def assistant_folder(root, seed: int = 2, hidden: int = 32):
+def assistant_folder(root, seed: int = 2, hidden: int = 32, vocab: int = VOCAB):
     """A two-layer assistant (every layer reading the target's keys and values), saved as
     safetensors; `hidden`: the target hidden size it was built for."""
     torch.manual_seed(seed)
-    text = Gemma4TextConfig(**_SIZES, num_hidden_layers=2,
+    text = Gemma4TextConfig(**{**_SIZES, "vocab_size": vocab}, num_hidden_layers=2,
                             layer_types=["sliding_attention", "full_attention"])
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=hidden)
     model = Gemma4AssistantForCausalLM(config)
     with torch.no_grad():  # sharper logits: drafts vary with their inputs
         model.lm_head.weight.mul_(8.0)
-    folder = root / f"assistant-{seed}-{hidden}"
+    folder = root / f"assistant-{seed}-{hidden}-{vocab}"
     model.save_pretrained(folder)
     return folder
 
@@ -108,6 +110,23 @@ def test_greedy_with_the_assistant_gives_plain_decodings_tokens_past_the_window(
     assert done.error is None
     assert done.token_ids == plain.token_ids
     assert done.stats.drafted > 0 and len(drafter.drafts) > 1
+
+
+@pytest.mark.heavy  # 500 sampled generations
+def test_sampled_drafting_with_the_assistant_commits_the_targets_own_distribution(tmp_path):
+    vocab = 4
+    target = gemma4_target(seed=5, vocab=vocab)
+    target.eos_token_ids = frozenset()
+    prompt = [2, 3]
+    expected = first_two_law(target, prompt, SamplingParams(temperature=1.0), vocab)
+    drafter = assistant_of(target, assistant_folder(tmp_path, seed=6, vocab=vocab))
+    engine, n, counts = SpecEngine(target), 500, np.zeros((vocab, vocab))
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                           seed=seed), drafter=drafter, k=2))[-1]
+        counts[tuple(done.token_ids[:2])] += 1
+    assert done.stats.drafted > 0
+    assert_follows(counts, expected * n)
 
 
 def test_an_assistant_folder_given_as_the_draft_is_recognised_as_the_assistant(folder,

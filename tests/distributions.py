@@ -21,6 +21,23 @@ def assert_follows(observed: np.ndarray, expected: np.ndarray) -> None:
     assert pvalue > P_VALUE, pvalue
 
 
+def assert_first_two_follow(target, drafter, prompt: list[int], vocab: int, n: int) -> None:
+    """Speculative sampling (temperature 1, k = 2, three tokens) over n seeds: the drafter
+    drafted, and the first two committed tokens follow plain sampling's law (the second is
+    verified against the first step's draft; the third ends the generation)."""
+    from app.core.engine import SpecEngine
+    from app.core.types import SamplingParams
+
+    expected = first_two_law(target, prompt, SamplingParams(temperature=1.0), vocab)
+    engine, counts = SpecEngine(target), np.zeros((vocab, vocab))
+    for seed in range(n):
+        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                           seed=seed), drafter=drafter, k=2))[-1]
+        counts[tuple(done.token_ids[:2])] += 1
+    assert done.stats.drafted > 0
+    assert_follows(counts, expected * n)
+
+
 def two_token_law(target, prompt: list[int], params, vocab: int) -> np.ndarray:
     """p(second, third token) of plain sampled decoding, from the target's own rows (the
     step after the prefill's token drafts both)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -27,7 +26,7 @@ from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from app.pair import folder_head_kind  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
-from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.distributions import assert_first_two_follow  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.tiny import VOCAB, tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -117,16 +116,8 @@ def test_sampled_drafting_with_the_assistant_commits_the_targets_own_distributio
     vocab = 4
     target = gemma4_target(seed=5, vocab=vocab)
     target.eos_token_ids = frozenset()
-    prompt = [2, 3]
-    expected = first_two_law(target, prompt, SamplingParams(temperature=1.0), vocab)
     drafter = assistant_of(target, assistant_folder(tmp_path, seed=6, vocab=vocab))
-    engine, n, counts = SpecEngine(target), 500, np.zeros((vocab, vocab))
-    for seed in range(n):
-        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
-                                                           seed=seed), drafter=drafter, k=2))[-1]
-        counts[tuple(done.token_ids[:2])] += 1
-    assert done.stats.drafted > 0
-    assert_follows(counts, expected * n)
+    assert_first_two_follow(target, drafter, [2, 3], vocab, n=500)
 
 
 def test_an_assistant_folder_given_as_the_draft_is_recognised_as_the_assistant(folder,

@@ -27,7 +27,7 @@ from backends.heads.medusa_drafter import MedusaDrafter, default_choices, medusa
 from backends.heads.medusa_format import read_medusa  # noqa: E402
 from backends.torch.arrays import TorchArrays  # noqa: E402
 from backends.torch.head_weights.medusa import MedusaHeads  # noqa: E402
-from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.distributions import assert_first_two_follow  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 from tests.tiny import mlx_twin, tiny_llama  # noqa: E402
@@ -165,18 +165,8 @@ def test_sampled_medusa_commits_tokens_from_the_targets_own_distribution(backend
     heads = write_random_heads(tmp_path / "heads", 2, 16, vocab, seed=4)
     drafter = medusa((load_backend(backend), target), heads,
                      default_choices(2, max_nodes=6, ranks=3))  # begin() reads afresh
-    params = SamplingParams(temperature=1.0)
-    prompt = [2, 3]
-    expected = first_two_law(target, prompt, params, vocab)
-    engine, n = SpecEngine(target), 600
-    counts = np.zeros((vocab, vocab))
-    for seed in range(n):
-        # the second token is verified against a depth-1 tree (the third ends the generation)
-        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
-                                                           seed=seed), drafter=drafter, k=2))[-1]
-        counts[tuple(done.token_ids[:2])] += 1
-    assert done.stats.drafted > 0
-    assert_follows(counts, expected * n)
+    # the second token is verified against a depth-1 tree (the third ends the generation)
+    assert_first_two_follow(target, drafter, [2, 3], vocab, n=600)
 
 
 def test_a_pickle_only_head_is_refused_naming_the_safetensors_fix(tmp_path):

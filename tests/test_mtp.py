@@ -36,7 +36,7 @@ from app.drafters import build_drafter  # noqa: E402
 from backends.heads.mtp_format import detect_mtp, read_layout  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.head_weights.mtp import load_mtp_drafter  # noqa: E402
-from tests.distributions import assert_follows, first_two_law  # noqa: E402
+from tests.distributions import assert_first_two_follow  # noqa: E402
 from tests.fakes import RecordingDrafter  # noqa: E402
 from tests.marks import heavy  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
@@ -344,18 +344,8 @@ def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path, 
     vocab = 4
     target = load(backend, glm_folder(tmp_path, vocab=vocab, seed=5))
     target.eos_token_ids = frozenset()
-    params = SamplingParams(temperature=1.0)
-    prompt = [2, 3]
-    expected = first_two_law(target, prompt, params, vocab)
-    engine, n = SpecEngine(target), 500
-    counts = np.zeros((vocab, vocab))
     drafter = build_drafter("mtp", target, backend=backend_of(backend))  # begin() resets it
-    for seed in range(n):
-        done = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3,
-                                                           seed=seed), drafter=drafter, k=2))[-1]
-        counts[tuple(done.token_ids[:2])] += 1
-    assert done.stats.drafted > 0
-    assert_follows(counts, expected * n)
+    assert_first_two_follow(target, drafter, [2, 3], vocab, n=500)
 
 
 def test_a_target_without_mtp_layers_is_refused_naming_another_drafter(target):

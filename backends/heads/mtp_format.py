@@ -113,8 +113,6 @@ def open_mtp(target: Any) -> MtpCheckpoint:
     if not target.capabilities.rewind:
         raise SpecdeckError(f"{target.name} carries MTP layers but cannot speculate: "
                             f"{target.capabilities.reason}; use --drafter none")
-    if layout.style not in FUSE:
-        raise SpecdeckError(f"{target.name}: MTP layout {layout.style} is not supported")
     prefix = layout.prefixes[0]
     keys = {file: tuple(k for k in file_keys if k.startswith(prefix) and _first_layer(k, layout))
             for file, file_keys in names.items()}

@@ -57,7 +57,7 @@ class AssistantDrafter:
         self.accept(feed)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        if self._state is None or k < 1 or any(v is None for v in self._kv.values()):
+        if self._state is None or k < 1:  # a state is set only with every layer's keys
             return Draft()
         device = self._state.device
         position = torch.tensor([[len(context) - 1]], device=device)

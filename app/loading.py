@@ -66,8 +66,8 @@ def load_engine(args: Any) -> Loaded:
         drafter_kind = "none"
     vocab_limit = getattr(args, "draft_vocab", 0)
     drafter = pair.build(drafter_kind, tree=tree, vocab_limit=vocab_limit)
-    engine = SpecEngine(pair.target, None if drafter_kind == "none" else drafter, k=args.k,
-                        recorder=pair.history)
+    engine = pair.engine()
+    engine.set_default(None if drafter_kind == "none" else drafter, args.k)
 
     def rebuild(kind: str) -> Any:
         own = kind == drafter_kind  # the loaded kind keeps its trees and vocabulary

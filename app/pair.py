@@ -10,9 +10,11 @@ a catalogue model id to its folder), that pulled files are checked before they l
 head folder is the head drafter's input and never loads as a model, the draft model's
 vocabulary check, what a loaded pair lends a kind (the backend's declaration, the target's
 capabilities, a draft model, the head and its kind, the target's MTP layers), drafters built
-once per kind, auto's choice (the planner's, made before open since it decides what loads).
+once per kind, auto's choice (the planner's, made before open since it decides what loads),
+and the target's one engine (its KV cache, probed costs and history recorder), which every
+surface generates with, a lane beside it where two generations run at once.
 Must not know: flags, Gradio or HTTP (the surfaces make the spec and say the messages), array
-libraries (backends load the models), the step loop.
+libraries (backends load the models), the step loop (app/core/engine.py runs it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from app.drafters.pairing import check_vocab_compatible
 from backends import detect_backend, load_backend
 
 Progress = Callable[[str], None]
+MAIN = "main"  # the engine's lane every surface generates with
 
 
 @dataclass(frozen=True)
@@ -82,17 +85,31 @@ class AutoChoice:
 
 
 class Pair:
-    """The loaded target, its draft model and head, and their drafters (built once per kind)."""
+    """The loaded target, its draft model and head, their drafters (built once per kind), and
+    the target's engine.
+
+    engines(lane) builds a lane's engine (default: a SpecEngine on the target; tests script
+    one)."""
 
     def __init__(self, backend: Any, target: Any, draft: Any = None, head: str | None = None,
                  head_kind: str | None = None, mtp_layers: int | None = 0,
                  history: Any = None,
-                 spec: LoadSpec | None = None) -> None:
+                 spec: LoadSpec | None = None,
+                 engines: Callable[[str], Any] | None = None) -> None:
         self.backend, self.target, self.draft = backend, target, draft
         self.head, self.head_kind, self.mtp_layers = head, head_kind, mtp_layers
         self.history = history  # past replies (app/store/history.py) the lookup kinds read
         self.spec = spec
         self._drafters: dict[str, Any] = {}
+        self._new_engine = engines or self._spec_engine
+        self._engines: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, backend: Any, target: Any, draft: Any = None, head: str | None = None) -> Pair:
+        """A pair over models already loaded (a test's, a second backend's): the head's kind
+        read from its folder, the target's MTP layers left to the builder to find."""
+        return cls(backend, target, draft, head=head, head_kind=folder_head_kind(head),
+                   mtp_layers=None)
 
     @classmethod
     def open(cls, spec: LoadSpec, progress: Progress = lambda _stage: None,
@@ -217,6 +234,26 @@ class Pair:
             base, self.target, backend=self.backend, draft=self.draft,
             vocab_limit=vocab_limit, head=self.head if base in drafters.HEADS else None,
             tree=tree or suffixed, history=self.history)
+
+    def engine(self, lane: str = MAIN) -> Any:
+        """The target's engine of a lane, built on first use. MAIN is the one engine every
+        surface generates with: its session keeps the conversation's KV cache, its probed
+        verify costs price k, and the history records its replies. Another lane (the race's
+        plain lane, run beside it) has a session of its own and records nothing."""
+        if lane not in self._engines:
+            self._engines[lane] = self._new_engine(lane)
+        return self._engines[lane]
+
+    def fresh_engine(self) -> Any:
+        """An engine over the target that the caller alone holds (a benchmark's): its runs
+        neither touch the main lane's cache nor record into the history, and its cache goes
+        when the caller drops it."""
+        return self._new_engine("")
+
+    def _spec_engine(self, lane: str) -> Any:
+        from app.core.engine import SpecEngine
+
+        return SpecEngine(self.target, recorder=self.history if lane == MAIN else None)
 
     def forget_drafters(self) -> None:
         """Drop the built drafters (a history turned off or cleared is read no more)."""

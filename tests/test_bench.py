@@ -22,6 +22,7 @@ from app.bench.settings import BenchSettings
 from app.bench.stats import first_divergence, summarise
 from app.cli import main
 from app.core.types import SpecdeckError
+from app.pair import Pair
 from backends.torch.backend import TorchBackend
 from tests.tiny import tiny_llama
 
@@ -118,8 +119,7 @@ def tiny_report(target) -> dict:
     settings = BenchSettings(drafters=("none", "ngram", "draft"), ks=(2, -1), max_new_tokens=12,
                              repeats=2, compare_hf=True)
     draft = tiny_llama(seed=1)  # same weights as `target`: must accept every draft token
-    return bench.run_bench(target, word_prompts(4), settings, backend=TorchBackend(),
-                           draft=draft)
+    return bench.run_bench(Pair.of(TorchBackend(), target, draft), word_prompts(4), settings)
 
 
 def test_a_second_engines_configurations_are_checked_against_its_own_plain(target):
@@ -128,8 +128,9 @@ def test_a_second_engines_configurations_are_checked_against_its_own_plain(targe
     first engine's, and its speedups are against its own plain too."""
     settings = BenchSettings(drafters=("none", "ngram"), ks=(2,), max_new_tokens=10)
     other = tiny_llama(seed=7)
-    runners, unavailable = bench.build_runners(other, settings, TorchBackend(), prefix="other:")
-    report = bench.run_bench(target, word_prompts(2), settings, backend=TorchBackend(),
+    runners, unavailable = bench.build_runners(Pair.of(TorchBackend(), other), settings,
+                                               prefix="other:")
+    report = bench.run_bench(Pair.of(TorchBackend(), target), word_prompts(2), settings,
                              extra=runners, extra_unavailable=unavailable)
     names = [c["name"] for c in report["configs"] if c["available"]]
     assert names == ["plain", "ngram k=2", "other:plain", "other:ngram k=2"]

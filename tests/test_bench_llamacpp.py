@@ -24,6 +24,7 @@ from app.bench.settings import BenchSettings
 from app.cli import main
 from app.core.prompt import encode_prompt
 from app.core.types import SamplingParams, SpecdeckError
+from app.pair import Pair
 from backends.torch.backend import TorchBackend
 from tests.test_bench import REPORT_SCHEMA, SUMMARY_SCHEMA
 from tests.tiny import tiny_llama
@@ -62,8 +63,8 @@ def bench_with_llama(tmp_path: Path, ks=(2,)) -> dict:
     llama = compare(tmp_path, ks)
     try:
         settings = BenchSettings(drafters=("ngram",), ks=ks, max_new_tokens=12, warmup=0)
-        return bench.run_bench(tiny_llama(seed=1), prompts(4), settings, backend=TorchBackend(),
-                               extra=llama.runners, extra_unavailable=llama.unavailable)
+        return bench.run_bench(Pair.of(TorchBackend(), tiny_llama(seed=1)), prompts(4),
+                               settings, extra=llama.runners, extra_unavailable=llama.unavailable)
     finally:
         llama.close()
 

@@ -10,6 +10,7 @@ from app import drafters
 from app.core.engine import SpecEngine
 from app.core.feed import StepFeed
 from app.core.types import SamplingParams, SpecdeckError
+from app.pair import Pair
 from backends.torch.backend import TorchBackend
 from tests.distributions import assert_follows, two_token_law
 from tests.eagle_heads import LAYOUTS, write_head
@@ -259,7 +260,8 @@ def test_bench_runs_a_head_as_a_chain_and_as_a_tree(deep_target, heads):
 
     settings = BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
                                    max_new_tokens=8, head=str(heads["speculators"]), warmup=0)
-    report = bench.run_bench(deep_target, word_prompts(2), settings, backend=TorchBackend())
+    pair = Pair.of(TorchBackend(), deep_target, head=settings.head)
+    report = bench.run_bench(pair, word_prompts(2), settings)
     names = {c["name"] for c in report["configs"]}
     assert {"eagle3 k=3", "eagle3:tree k=3"} <= names  # both built (else left out)
 

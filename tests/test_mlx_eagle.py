@@ -23,6 +23,7 @@ from app import drafters  # noqa: E402
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.feed import StepFeed  # noqa: E402
 from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
+from app.pair import Pair
 from backends.mlx.backend import MlxBackend  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tests.distributions import assert_follows, two_token_law  # noqa: E402
@@ -330,10 +331,12 @@ def test_bench_on_mlx_runs_a_head_as_a_chain_and_as_a_tree(twins, heads):
     _, target = twins
     settings = BenchSettings(drafters=("eagle3", "eagle3:tree"), ks=(3,),
                                    max_new_tokens=8, head=str(heads["layers"]), warmup=0)
-    runners, unavailable = bench.build_runners(target, settings, backend=MlxBackend())
+    pair = Pair.of(MlxBackend(), target, head=settings.head)
+    runners, unavailable = bench.build_runners(pair, settings)
     assert [r.config.name for r in runners] == ["plain", "eagle3 k=3", "eagle3:tree k=3"]
     assert not unavailable
-    report = bench.run_bench(target, word_prompts(2), settings, backend=MlxBackend())
+    report = bench.run_bench(Pair.of(MlxBackend(), target, head=settings.head), word_prompts(2),
+                             settings)
     assert {c["name"] for c in report["configs"]} >= {"plain", "eagle3 k=3", "eagle3:tree k=3"}
 
 

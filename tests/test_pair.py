@@ -71,3 +71,30 @@ def test_models_are_loaded_only_through_the_pair():
                     alias.name == "load_backend" for alias in node.names):
                 loaders.append(str(path.relative_to(ROOT)))
     assert loaders == []
+
+
+def test_a_pair_holds_one_engine_and_a_lane_beside_it_has_its_own_cache(folders):
+    pair = Pair.open(spec(folders))
+    pair.history = object()  # any recorder: only the main lane may hold it
+    main, beside = pair.engine(), pair.engine("race-plain")
+    assert main is pair.engine() and beside is pair.engine("race-plain")
+    assert beside.session is not main.session
+    assert main.recorder is pair.history and beside.recorder is None
+
+
+def test_only_the_pair_builds_drafters_and_engines():
+    """CLI, server, UI and bench generate on the pair's engine with the pair's drafters: no
+    module of app/ but the pair calls the factory or makes an engine (the streams' scheduler
+    forks slots from the engine it is handed)."""
+    allowed = {"app/pair.py": {"build_drafter", "SpecEngine"},
+               "app/runtime/streams.py": {"SpecEngine"}}
+    makers = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                if called in {"build_drafter", "SpecEngine"} and \
+                        called not in allowed.get(name, set()):
+                    makers.append(f"{name}:{node.lineno} {called}")
+    assert makers == []

@@ -190,7 +190,7 @@ def test_second_turn_sends_the_whole_conversation_so_the_prefix_only_grows():
     handlers = ChatHandlers(bench)
     turns = send(handlers, "hi")[-1][1]
     send(handlers, "again", turns)
-    first, second = engines["chat"].prompts
+    first, second = engines["main"].prompts
     assert second[:len(first)] == first
     assert "Hello world|user:again|" in "".join(map(chr, second))
 
@@ -211,7 +211,7 @@ def test_prompt_over_the_context_is_refused_with_the_fix():
     bench, engines = scripted_bench(context_length=20)
     (frame,) = send(ChatHandlers(bench), "a message that is far too long for this context")
     assert "shorten the prompt or clear the history" in frame[4]
-    assert engines["chat"].prompts == []
+    assert engines["main"].prompts == []
 
 
 def test_draft_drafter_without_a_draft_model_names_what_is_missing():
@@ -270,7 +270,7 @@ def test_stop_ends_the_reply_after_the_current_step_and_the_next_message_works()
     assert frames[-1][1][-1]["content"] == "H"
     assert 'data-status="stopped"' in frames[-1][2]
     assert "stopped" in frames[-1][0][-1]["content"]
-    assert engines["chat"].finished == 1 and not bench.busy.locked()
+    assert engines["main"].finished == 1 and not bench.busy.locked()
     assert send(handlers, "again", frames[-1][1], request)[-1][1][-1]["content"] == "Hello world"
 
 
@@ -290,7 +290,7 @@ def test_closing_the_tab_mid_reply_closes_the_engine_generation_and_frees_the_mo
     stream = ChatHandlers(bench).submit("hi", [], *list(GREEDY.values()), None)
     next(stream), next(stream)
     stream.close()  # what Gradio does when the browser tab goes away
-    assert engines["chat"].finished == 1
+    assert engines["main"].finished == 1
     assert not bench.busy.locked()
 
 
@@ -300,7 +300,7 @@ def test_out_of_memory_in_a_step_is_explained_and_the_app_keeps_serving():
     last = send(handlers, "hi")[-1]
     assert "out of memory while generating" in last[4]
     assert 'data-status="error"' in last[2]
-    engines["chat"].error = None
+    engines["main"].error = None
     assert send(handlers, "again", last[1])[-1][1][-1]["content"] == "Hello world"
 
 
@@ -318,7 +318,7 @@ def test_clear_mid_reply_stops_it_and_ends_with_an_empty_conversation():
     frames = submit_then(handlers, request, handlers.clear)
     assert frames[-1][0] == [] and frames[-1][1] == []
     assert 'data-status="ready"' in frames[-1][2]
-    assert engines["chat"].finished == 1 and not bench.busy.locked()
+    assert engines["main"].finished == 1 and not bench.busy.locked()
 
 
 def test_clear_empties_the_conversation_and_the_stats():
@@ -378,7 +378,7 @@ def test_chatbot_value_keeps_user_turns_as_typed():
 def race_bench(spec_script=SCRIPT, plain_script=SCRIPT, delays=(0.0, 0.0)):
     target = FakeTarget()
     engines = {"race-plain": ScriptedEngine(target, plain_script, delay_s=delays[0]),
-               "chat": ScriptedEngine(target, spec_script, delay_s=delays[1])}
+               "main": ScriptedEngine(target, spec_script, delay_s=delays[1])}
     bench = Workbench()
     bench.attach(target, label="fake pair", engines=engines.__getitem__)
     return bench, engines
@@ -393,7 +393,7 @@ def test_race_of_identical_greedy_outputs_says_identical():
     last = run_race(bench)[-1]
     assert "Identical outputs" in last[4] and "11 tokens match" in last[4]
     assert "sd-draft" in last[1] and "sd-draft" not in last[0]
-    assert engines["race-plain"].prompts == engines["chat"].prompts
+    assert engines["race-plain"].prompts == engines["main"].prompts
 
 
 def test_race_names_the_first_differing_token():
@@ -409,7 +409,7 @@ def test_race_under_sampling_does_not_claim_token_equality():
 
 def test_race_reports_a_failed_side_instead_of_a_verdict():
     bench, engines = race_bench()
-    engines["chat"].error = "RuntimeError: boom"
+    engines["main"].error = "RuntimeError: boom"
     text = run_race(bench)[-1][4]
     assert "speculative: generation failed: RuntimeError: boom" in text
     assert "Identical" not in text and not bench.busy.locked()
@@ -424,7 +424,7 @@ def test_race_against_plain_decoding_itself_is_refused():
 def test_each_lane_is_timed_on_its_own_steps_only():
     bench, engines = race_bench(delays=(0.02, 0.01))
     start = time.perf_counter()
-    lanes = list(race(engines["race-plain"], engines["chat"], [1, 2], None))[-1]
+    lanes = list(race(engines["race-plain"], engines["main"], [1, 2], None))[-1]
     wall = time.perf_counter() - start
     plain, spec = lanes
     assert plain.own_s >= 4 * 0.02 and spec.own_s >= 4 * 0.01
@@ -435,7 +435,7 @@ def test_each_lane_is_timed_on_its_own_steps_only():
 def test_the_lane_behind_in_compute_time_moves_next():
     bench, engines = race_bench(delays=(0.03, 0.0))
     order = []
-    for plain, spec in race(engines["race-plain"], engines["chat"], [1], None):
+    for plain, spec in race(engines["race-plain"], engines["main"], [1], None):
         order.append((plain.steps, spec.steps))
     # the fast speculative lane runs ahead while plain is still on its first steps
     assert (1, 4) in order

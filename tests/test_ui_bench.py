@@ -29,14 +29,15 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def saved_runs(monkeypatch):
-    """app.bench.run.run_bench replaced by one that reports the target it was given; records
-    the settings of each run."""
+    """app.bench.run.run_bench replaced by one that reports the pair's target it was given;
+    records the settings of each run."""
     from app.bench import run as benchmark
 
     seen: list = []
 
-    def run_bench(target, prompts, settings, backend=None, draft=None, log=print):
+    def run_bench(pair, prompts, settings, log=print):
         seen.append(settings)
+        target, draft = pair.target, pair.draft
         return {"settings": {"target": target.name, "draft": getattr(draft, "name", None)},
                 "machine": {}, "configs": [
                     {"name": f"{target.name} ngram k=4", "available": True, "overall": {

@@ -102,7 +102,7 @@ def scripted_start(fail: bool = False):
         if fail:
             raise MemoryError()
         bench.attach(target, label="fake pair", pair_id=pair_id,
-                     engines=scripted_bench()[0]._new_engine)
+                     engines=scripted_bench()[0].pair._new_engine)
 
     choice = StartChoice(SMOL, "the only installed pair", (SMOL,), DEFAULT)
     return bench, StartLoad(bench, choice, load=load).begin(), go

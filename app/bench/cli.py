@@ -203,8 +203,9 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
         raise SpecdeckError("--streams runs specdeck's scheduler (with --compare llama.cpp and "
                             "--remote beside it): drop --compare-hf, --compare-backend and "
                             "--compare-dtype")
-    pair = _open(args, target_path, draft_path if _drafts_with_model(settings) else None)
-    target, draft, backend = pair.target, pair.draft, pair.backend
+    pair = _open(args, settings, target_path,
+                 draft_path if _drafts_with_model(settings) else None)
+    target, backend = pair.target, pair.backend
     chat = _chat_default(target, settings.chat)
     encoded, _ = _encode(target, _spread(prompts), chat, settings.max_new_tokens)
     ids = [e[1] for e in encoded]
@@ -217,7 +218,7 @@ def _streams_bench(args: argparse.Namespace, settings: BenchSettings,
     warm_up = ids[shortest]
     ids = ids[:shortest] + ids[shortest + 1:] if len(ids) > 1 else ids
     ids = ids[:needed - 1]
-    sources, unavailable = verdict.local_sources(target, settings, backend, draft, max(counts),
+    sources, unavailable = verdict.local_sources(pair, settings, max(counts),
                                                  _stderr)
     llama, remote = None, ExitStack()
     try:
@@ -365,19 +366,19 @@ def _load_and_run(args: argparse.Namespace, settings: BenchSettings,
         raise SpecdeckError("--compare-hf runs HF transformers: use --backend torch")
     log = _stderr
     needs_draft = _drafts_with_model(settings) or args.compare_hf
-    pair = _open(args, target_path, draft_path if needs_draft else None)
-    target, draft, backend = pair.target, pair.draft, pair.backend
+    pair = _open(args, settings, target_path, draft_path if needs_draft else None)
+    draft = pair.draft
     extra, extra_unavailable = list(extra), dict(extra_unavailable or {})
     if args.compare_backend:
         runners, unavailable = _second_backend(args, settings, target_path, draft, draft_path)
         extra += runners
         extra_unavailable.update(unavailable)
     if args.compare_dtype:
-        runners, unavailable = _second_dtype(args, settings, backend, target_path, draft_path)
+        runners, unavailable = _second_dtype(args, settings, target_path, draft_path)
         extra += runners
         extra_unavailable.update(unavailable)
-    return run_bench(target, prompts, settings, backend=backend, draft=draft, log=log,
-                     extra=extra, extra_unavailable=extra_unavailable)
+    return run_bench(pair, prompts, settings, log=log, extra=extra,
+                     extra_unavailable=extra_unavailable)
 
 
 def _second_backend(args: argparse.Namespace, settings: BenchSettings, target_path: str,
@@ -391,13 +392,14 @@ def _second_backend(args: argparse.Namespace, settings: BenchSettings, target_pa
                             "running: name another (torch, mlx or llamacpp)")
     _stderr(f"on {args.compare_backend}:")
     second = Pair.open(LoadSpec(target_path, draft_path if draft is not None else None,
-                                backend=args.compare_backend), progress=_stderr)
-    return build_runners(second.target, replace(settings, compare_hf=False), second.backend,
-                         second.draft, prefix=f"{second.backend.name}:")
+                                head=settings.head, backend=args.compare_backend),
+                       progress=_stderr)
+    return build_runners(second, replace(settings, compare_hf=False),
+                         prefix=f"{second.backend.name}:")
 
 
-def _second_dtype(args: argparse.Namespace, settings: BenchSettings, backend: Any,
-                  target_path: str, draft_path: str | None) -> tuple[list[Any], dict[str, str]]:
+def _second_dtype(args: argparse.Namespace, settings: BenchSettings, target_path: str,
+                  draft_path: str | None) -> tuple[list[Any], dict[str, str]]:
     """--compare-dtype: the same target (and draft model) on the same backend in another
     dtype, its configurations named "<dtype>:..." (with no HF rows of its own)."""
     from dataclasses import replace
@@ -407,10 +409,9 @@ def _second_dtype(args: argparse.Namespace, settings: BenchSettings, backend: An
         raise SpecdeckError(f"--compare-dtype {dtype} is the dtype already running: name "
                             "another (e.g. int4 beside w4a8)")
     _stderr(f"in {dtype}:")
-    second = _open(args, target_path, draft_path if _drafts_with_model(settings) else None,
-                   dtype=dtype)
-    return build_runners(second.target, replace(settings, compare_hf=False), backend,
-                         second.draft, prefix=f"{dtype}:")
+    second = _open(args, settings, target_path,
+                   draft_path if _drafts_with_model(settings) else None, dtype=dtype)
+    return build_runners(second, replace(settings, compare_hf=False), prefix=f"{dtype}:")
 
 
 def _remote_runners(args: argparse.Namespace, log: Callable[[str], None]
@@ -457,11 +458,13 @@ def _drafts_with_model(settings: BenchSettings) -> bool:
     return bool((NEEDS_DRAFT_MODEL | {"auto"}) & set(settings.drafters))
 
 
-def _open(args: argparse.Namespace, target_path: str, draft_path: str | None,
-          dtype: str | None = None) -> Pair:
-    """The pair bench runs (app/pair.py), in --dtype or the dtype given."""
+def _open(args: argparse.Namespace, settings: BenchSettings, target_path: str,
+          draft_path: str | None, dtype: str | None = None) -> Pair:
+    """The pair bench runs (app/pair.py), with the head of its head kinds, in --dtype or the
+    dtype given."""
     dtype = dtype or args.dtype
-    return Pair.open(LoadSpec(target_path, draft_path, backend=args.backend, device=args.device,
+    return Pair.open(LoadSpec(target_path, draft_path, head=settings.head,
+                              backend=args.backend, device=args.device,
                               dtype=dtype, draft_dtype=args.draft_dtype or dtype),
                      progress=_stderr)
 

@@ -75,12 +75,14 @@ class _HfRunner:
                       r.total_s, None)
 
 
-def build_runners(target: Any, settings: BenchSettings, backend: Any = None, draft: Any = None,
-                  prefix: str = "") -> tuple[list[Any], dict[str, str]]:
-    """Runners for plain plus each (drafter, k), and the configurations that are unavailable.
-    prefix: names this engine's configurations apart ("llamacpp:") when a second backend runs
-    beside the first; they are then checked against their own plain."""
-    engine = SpecEngine(target)  # one engine, one cache: configurations differ per call
+def build_runners(pair: Any, settings: BenchSettings, prefix: str = ""
+                  ) -> tuple[list[Any], dict[str, str]]:
+    """Runners for plain plus each (drafter, k) on the pair's one engine, and the
+    configurations that are unavailable (the pair's check says why). prefix: names this
+    engine's configurations apart ("llamacpp:") when a second backend runs beside the first;
+    they are then checked against their own plain."""
+    target, draft = pair.target, pair.draft
+    engine = pair.fresh_engine()  # one engine, one cache: configurations differ per call
     plain = f"{prefix}plain"
     own = plain if prefix else None
     runners: list[Any] = [_EngineRunner(Config(plain, "none", 0), engine)]
@@ -93,9 +95,7 @@ def build_runners(target: Any, settings: BenchSettings, backend: Any = None, dra
         resolved, tree = resolved.removesuffix(TREE_SUFFIX), resolved.endswith(TREE_SUFFIX)
         drafter, why = None, ""
         try:
-            drafter = drafters.build_drafter(resolved, target, backend=backend, draft=draft,
-                                             vocab_limit=settings.draft_vocab,
-                                             head=settings.head, tree=tree)
+            drafter = pair.build(resolved, tree=tree, vocab_limit=settings.draft_vocab)
         except (SpecdeckError, TypeError, ValueError) as error:
             why = f"{type(error).__name__}: {error}"
         for k in settings.ks:
@@ -123,14 +123,14 @@ def _k_problem(k: int | str) -> str:
     return ""
 
 
-def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettings,
-              backend: Any = None, draft: Any = None,
+def run_bench(pair: Any, prompts: Sequence[BenchPrompt], settings: BenchSettings,
               log: Callable[[str], None] | None = None,
               extra: Sequence[Any] = (), extra_unavailable: dict[str, str] | None = None
               ) -> dict[str, Any]:
     """Run every configuration on every prompt, interleaved; return the report (the JSON).
     extra: more runners (a remote engine's, llama.cpp's), interleaved with the local ones;
     extra_unavailable: their configurations that could not run, and why."""
+    target, draft, backend = pair.target, pair.draft, pair.backend
     log = log or (lambda _msg: None)
     if settings.repeats < 1:
         raise SpecdeckError(f"--repeats must be >= 1 (got {settings.repeats})")
@@ -139,7 +139,7 @@ def run_bench(target: Any, prompts: Sequence[BenchPrompt], settings: BenchSettin
                             "--compare-hf")
     chat = _chat_default(target, settings.chat)
     encoded, skipped = _encode(target, prompts, chat, settings.max_new_tokens)
-    runners, unavailable = build_runners(target, settings, backend, draft)
+    runners, unavailable = build_runners(pair, settings)
     runners += extra
     unavailable.update(extra_unavailable or {})
     for name, reason in unavailable.items():

@@ -27,7 +27,6 @@ from typing import Any
 
 from app import drafters
 from app.bench.report import machine_info
-from app.core.engine import SpecEngine
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 from app.runtime.streams import Request, Streams, fork_engines
 
@@ -135,16 +134,16 @@ class RemoteSource(Source):
         return server.process.pid if server is not None else None  # a server not ours
 
 
-def local_sources(target: Any, settings: Any, backend: Any, draft: Any, slots: int,
-                  log: Callable[[str], None]) -> tuple[list[Source], dict[str, str]]:
-    """Plain and each (drafter, k) of settings on one scheduler of `slots` slots."""
-    def build(kind: str) -> Any:
-        base, tree = kind.removesuffix(drafters.TREE_SUFFIX), kind.endswith(drafters.TREE_SUFFIX)
-        return drafters.build_drafter(base, target, backend=backend, draft=draft,
-                                      vocab_limit=settings.draft_vocab, head=settings.head,
-                                      tree=tree)
+def local_sources(pair: Any, settings: Any, slots: int, log: Callable[[str], None]
+                  ) -> tuple[list[Source], dict[str, str]]:
+    """Plain and each (drafter, k) of settings on one scheduler of `slots` slots over the
+    pair's engine (each slot builds its own drafter through the pair)."""
+    target, draft, backend = pair.target, pair.draft, pair.backend
 
-    engine = SpecEngine(target)
+    def build(kind: str) -> Any:
+        return pair.build(kind, vocab_limit=settings.draft_vocab)
+
+    engine = pair.fresh_engine()
     engine.warm_up()  # as serve does: every slot prices k from one probed cost curve
     scheduler = Streams(fork_engines(engine, slots), build)
     room = _room(backend, target)

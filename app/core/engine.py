@@ -188,11 +188,9 @@ class SpecEngine:
 
     def __init__(self, target: Model, drafter: Drafter | None = None, k: int | str = 4,
                  k_max: int = 8, recorder: Recorder | None = None) -> None:
-        check_k(k)
         self.target = target
         self.recorder = recorder
-        self.drafter: Drafter = drafter or NoDrafter()
-        self.k: int | str = k if drafter is not None else 0
+        self.set_default(drafter, k)
         self.k_max_default = k_max
         self.session = target.start()
         self._controllers: dict[str, KController] = {}  # k="auto" state, per drafter name
@@ -202,6 +200,13 @@ class SpecEngine:
         # what the other live streams put in the next forward, set by a scheduler of batched
         # streams (app/runtime/streams.py) before each step; k="auto" prices drafts by it
         self.load = Load()
+
+    def set_default(self, drafter: Drafter | None, k: int | str = 4) -> None:
+        """The drafter and k a `generate` call that names none uses (a surface's configured
+        ones; no drafter is plain decoding)."""
+        check_k(k)
+        self.drafter: Drafter = drafter or NoDrafter()
+        self.k: int | str = k if drafter is not None else 0
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Refuse prompts the target cannot take, naming the fix."""

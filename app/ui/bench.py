@@ -214,8 +214,8 @@ class BenchHandlers:
             try:
                 with self.bench.hold():
                     result["report"] = compute.call(
-                        benchmark.run_bench, self.bench.target, prompts, settings,
-                        backend=self.bench.backend, draft=self.bench.draft, log=lines.put)
+                        benchmark.run_bench, self.bench.pair, prompts, settings,
+                        log=lines.put)
             except Busy as error:
                 result["busy"] = str(error)
             except Exception as error:  # noqa: BLE001 - shown in the page, the app stays up

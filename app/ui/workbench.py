@@ -4,8 +4,8 @@ Knows: how the drafter control's value maps to a drafter (built once per kind by
 in app/drafters), what of the loaded models `resolve` hands to the one check of a kind
 (app/drafters/kinds.py: the head the pair ships and its kind, a draft model, the target's own
 MTP layers, the backend and its target's capabilities), that chat and race share the
-target's one engine and so its KV cache whatever drafter they use (the race's plain lane has
-an engine of its own, since both lanes run at once), which browser session may cancel which
+pair's one engine and so its KV cache whatever drafter they use (the race's plain lane is a
+lane of the pair's own, since both lanes run at once), which browser session may cancel which
 generation, and that one generation at a time runs per target (the `busy` lock, next to the
 Gradio queue's limit).
 Must not know: Gradio components, array libraries (backends load the models).
@@ -22,7 +22,7 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine
 from app.core.types import SpecdeckError
-from app.pair import LoadSpec, Pair
+from app.pair import MAIN, LoadSpec, Pair
 from app.runtime import compute
 
 DRAFTER_CHOICES = drafters.WITH_TREES
@@ -72,7 +72,6 @@ class Workbench:
         self.start: Any = None  # the StartLoad (app/ui/start.py) loading a pair at start
         self.start_reason = ""  # why nothing was loaded at start, for the header
         self.busy = threading.Lock()  # one generation per target at a time
-        self._engines: dict[str, SpecEngine] = {}  # "chat" (shared) and "race-plain"
         self._cancels: dict[str, threading.Event] = {}
         self._cancels_lock = threading.Lock()
 
@@ -104,17 +103,14 @@ class Workbench:
         """Install a loaded target (and draft), or an opened pair; the engine and drafters are
         built lazily.
 
-        engines(lane) builds a lane's engine (default: a SpecEngine on target; tests script one).
+        engines(lane) builds a lane's engine (default: the pair's; tests script one).
         """
-        self.pair = pair or Pair(self.backend, target, draft)
+        self.pair = pair or Pair(self.backend, target, draft, engines=engines)
         self.remote = None
+        # the main lane records its replies; the Race tab's plain lane repeats a reply
         self.history = _history_of(target) if self.keeps_history else None
-        # the Chat lane records its replies; the Race tab's plain lane repeats a reply
-        self._new_engine = engines or (lambda lane: SpecEngine(
-            target, recorder=self.history if lane == "chat" else None))
         self.label = label or getattr(target, "name", "model")
         self.pair_id, self.auto_kind = pair_id, auto_kind
-        self._engines = {}
 
     def load(self, target_path: str, draft_path: str | None = None, label: str = "",
              pair_id: str | None = None, auto_kind: Choice | None = None,
@@ -141,9 +137,8 @@ class Workbench:
                 warm_up(model)
         self.attach(pair.target, draft=pair.draft, label=label, pair_id=pair_id,
                     auto_kind=auto_kind, pair=pair)
-        # the chat lane's verify costs are timed now, not inside the first message (k auto)
-        self._engines["chat"] = self._new_engine("chat")
-        self._engines["chat"].warm_up()
+        # the main lane's verify costs are timed now, not inside the first message (k auto)
+        self.pair.engine().warm_up()
 
     def attach_remote(self, engine: Any) -> None:
         """Chat through an OpenAI-compatible server instead of a local model."""
@@ -153,7 +148,6 @@ class Workbench:
 
     def unload(self) -> None:
         self.pair = Pair(None, None)
-        self._engines = {}
         self.label, self.pair_id, self.auto_kind = "", None, None
 
     def resolve(self, kind: str) -> Choice:
@@ -189,9 +183,9 @@ class Workbench:
             return str(error)
         return ""
 
-    def engine(self, kind: str, k: int | str, lane: str = "chat") -> tuple[Bound, Choice]:
-        """The target's engine bound to a drafter kind and k (a number, or "auto": chosen per
-        step). Chat and race share the "chat" lane's engine, so a conversation's cache
+    def engine(self, kind: str, k: int | str, lane: str = MAIN) -> tuple[Bound, Choice]:
+        """The pair's engine bound to a drafter kind and k (a number, or "auto": chosen per
+        step). Chat and race share the main lane's engine, so a conversation's cache
         survives switching drafter or tab; the race's plain lane runs on its own."""
         if self.target is None and self.remote is not None:
             raise SpecdeckError(f"this tab needs a local model; Chat talks to {self.label}: "
@@ -203,10 +197,8 @@ class Workbench:
             raise SpecdeckError(f"k must be auto or at least 1 (got {k!r}); pick drafter none "
                                 "for plain decoding")
         choice = self.resolve(kind)
-        if lane not in self._engines:
-            self._engines[lane] = self._new_engine(lane)
         drafter = compute.call(self.pair.drafter, choice.kind)  # a head loads its weights
-        return Bound(self._engines[lane], drafter, 0 if choice.kind == "none" else k), choice
+        return Bound(self.pair.engine(lane), drafter, 0 if choice.kind == "none" else k), choice
 
     def begin(self, session: str) -> threading.Event:
         """A fresh cancel flag for one browser session's generation."""

@@ -99,7 +99,7 @@ def mimo_folder(root: Path) -> Path:
     return folder
 
 
-def qwen3_5_folder(root: Path, moe: bool = False) -> Path:
+def qwen3_5_folder(root: Path, moe: bool = False, vocab: int = 48) -> Path:
     """A Qwen3.5-style hybrid target (a Gated DeltaNet layer, then full attention; MoE layers
     where moe) whose checkpoint holds the MTP block under `mtp.`: the full-attention layer
     saved as layer 2, renamed `mtp.layers.0.`, beside pre_fc_norm_embedding,
@@ -110,7 +110,7 @@ def qwen3_5_folder(root: Path, moe: bool = False) -> Path:
     from tests.tiny_families import _COMMON, _LINEAR
 
     torch.manual_seed(2)
-    sizes = {**_COMMON, **_LINEAR, "vocab_size": 48, "num_hidden_layers": 3,
+    sizes = {**_COMMON, **_LINEAR, "vocab_size": vocab, "num_hidden_layers": 3,
              "layer_types": ["linear_attention", "full_attention", "full_attention"]}
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
         **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -118,9 +118,9 @@ def qwen3_5_folder(root: Path, moe: bool = False) -> Path:
         Qwen3_5ForCausalLM(Qwen3_5TextConfig(**sizes, intermediate_size=64))
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    folder = root / ("qwen3_5_moe" if moe else "qwen3_5")
+    folder = root / f"{'qwen3_5_moe' if moe else 'qwen3_5'}{'' if vocab == 48 else vocab}"
     model.save_pretrained(folder)
-    tiny_tokenizer(48).save_pretrained(folder)
+    tiny_tokenizer(vocab).save_pretrained(folder)
     state = load_file(str(folder / "model.safetensors"))
     renamed = {k.replace("model.layers.2.", "mtp.layers.0."): v for k, v in state.items()}
     renamed.update({f"mtp.{name}.weight": 0.1 * torch.randn(HIDDEN)
@@ -345,6 +345,20 @@ def test_sampled_mtp_commits_tokens_from_the_targets_own_distribution(tmp_path, 
     target = load(backend, glm_folder(tmp_path, vocab=vocab, seed=5))
     target.eos_token_ids = frozenset()
     drafter = build_drafter("mtp", target, backend=backend_of(backend))  # begin() resets it
+    assert_first_two_follow(target, drafter, [2, 3], vocab, n=500)
+
+
+@pytest.mark.heavy  # 500 sampled generations
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_qwen3_5_mtp_on_its_recurrent_target_commits_the_targets_distribution(
+        tmp_path, backend):
+    """The hybrid target rewinds its DeltaNet state past a rejected draft token, and the
+    MTP block drafts from the kept row's hidden state: what is committed is still sampled
+    from the target's own law."""
+    vocab = 4
+    target = load(backend, qwen3_5_folder(tmp_path, vocab=vocab))
+    target.eos_token_ids = frozenset()
+    drafter = build_drafter("mtp", target, backend=backend_of(backend))
     assert_first_two_follow(target, drafter, [2, 3], vocab, n=500)
 
 

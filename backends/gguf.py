@@ -2,9 +2,10 @@
 
 Knows: the converted folder's name (`<file>.gguf.specdeck-hf/`), the record of the source it
 was built from (size, mtime, sha256), the lock that lets one process convert while others
-wait and then reuse its work. Must not know: the store's layout, the catalogue, which backend
-loads the folder (torch and MLX both call `hf_folder`). torch and transformers are imported
-inside the conversion only, so MLX-only installs can import this module.
+wait and then reuse its work, and why transformers could not read a file (an architecture
+it reads no GGUF of, or a damaged file). Must not know: the store's layout, the catalogue,
+which backend loads the folder (torch and MLX both call `hf_folder`). torch and transformers
+are imported inside the conversion only, so MLX-only installs can import this module.
 
 A conversion is used while its source still has the recorded size and mtime (a stat, every
 load); when either changed the source is rehashed, and a different sha256 rebuilds the
@@ -28,6 +29,7 @@ from pathlib import Path
 from app.core.types import SpecdeckError
 from backends.digest import sha256_of
 from backends.extras import install_hint
+from backends.gguf_header import architecture
 
 CONVERTED_SUFFIX = ".specdeck-hf"  # folder next to a .gguf holding its safetensors copy
 METADATA_SUFFIX = ".specdeck-meta"  # folder next to a .gguf holding its config and tokenizer
@@ -208,15 +210,29 @@ def convert_with_transformers(gguf: Path, dest: Path) -> None:
                                                   dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as error:
-        raise SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
-                            "corrupt: `specdeck pull --verify PAIR` repairs a pulled model; "
-                            "otherwise download it again") from error
+        raise read_error(gguf, error) from error
     # transformers refuses to save GGUF-quantized models; the weights are already dequantized
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+
+
+def read_error(gguf: Path, error: Exception) -> SpecdeckError:
+    """What went wrong reading a GGUF through transformers: an architecture it reads no GGUF
+    of (Qwen3.5's qwen35, Qwen3-Next's qwen3next), with the routes that do load the model,
+    else a partial or damaged file."""
+    if "is not supported yet" in str(error):
+        arch = architecture(gguf) or "its"
+        return SpecdeckError(
+            f"{gguf.name} is a {arch} GGUF, and transformers reads no {arch} GGUF yet, so "
+            f"specdeck cannot load this file on torch or MLX: give the model's safetensors "
+            f"checkpoint instead (its HF folder, as --target FOLDER; the MLX build's folder on "
+            f"MLX), or run the file with --backend llamacpp")
+    return SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
+                         "corrupt: `specdeck pull --verify PAIR` repairs a pulled model; "
+                         "otherwise download it again")
 
 
 def save_metadata(gguf: Path, dest: Path) -> None:
@@ -230,8 +246,6 @@ def save_metadata(gguf: Path, dest: Path) -> None:
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as error:
-        raise SpecdeckError(f"could not read {gguf}: {error}. The file may be partial or "
-                            "corrupt: `specdeck pull --verify PAIR` repairs a pulled model; "
-                            "otherwise download it again") from error
+        raise read_error(gguf, error) from error
     config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

@@ -1,8 +1,10 @@
-"""How finely a GGUF file stores its weights, read from its header in milliseconds.
+"""How finely a GGUF file stores its weights, and its architecture, read from its header in
+milliseconds.
 
-Knows: the GGUF header layout (magic, version, counts, typed key/value pairs) and llama.cpp's
-`general.file_type` numbers. Must not know: tensors (the gguf package's reader parses every
-tensor's description, 46 s for the 1.5B Qwen on a busy 2-core machine), backends, dtypes.
+Knows: the GGUF header layout (magic, version, counts, typed key/value pairs), llama.cpp's
+`general.file_type` numbers and `general.architecture`. Must not know: tensors (the gguf
+package's reader parses every tensor's description, 46 s for the 1.5B Qwen on a busy 2-core
+machine), backends, dtypes.
 
 `--dtype auto` uses it so a model never runs coarser than its source: a Q4_K file may run
 4-bit weights, a Q8_0 one 8-bit, an F16 one 16-bit.
@@ -29,6 +31,20 @@ _STRING, _ARRAY = 8, 9
 def file_type(path: Path) -> tuple[str, float] | None:
     """(name, bits per weight) of a GGUF's `general.file_type`; None when the file is not a
     GGUF, is damaged, or does not say."""
+    value = header_value(path, "general.file_type")
+    return FILE_TYPES.get(value, (f"type {value}", 0.0)) if isinstance(value, int) else None
+
+
+def architecture(path: Path) -> str | None:
+    """A GGUF's `general.architecture` (llama, qwen2, qwen35, gemma4 ...); None when the file
+    is not a GGUF, is damaged, or does not say."""
+    value = header_value(path, "general.architecture")
+    return value if isinstance(value, str) else None
+
+
+def header_value(path: Path, key: str) -> object:
+    """One scalar or string of a GGUF's header (arrays read as None); None when the file is
+    not a GGUF, is damaged, or lacks the key."""
     try:
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":
@@ -37,10 +53,10 @@ def file_type(path: Path) -> tuple[str, float] | None:
             if version < 2:
                 return None
             for _ in range(pairs):
-                key = read_string(f)
+                name = read_string(f)
                 value = read_value(f, struct.unpack("<I", f.read(4))[0])
-                if key == "general.file_type" and isinstance(value, int):
-                    return FILE_TYPES.get(value, (f"type {value}", 0.0))
+                if name == key:
+                    return value
     except (OSError, struct.error, ValueError, UnicodeDecodeError):
         return None
     return None

@@ -15,6 +15,7 @@ import resource
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ from app.drafters.kinds import require_built
 from backends.builder_table import build
 from backends.cpu import cpu_has_native_bf16
 from backends.dtype_rule import Probes, Source, auto_dtype
-from backends.gguf import CONVERTED_SUFFIX, metadata_folder
-from backends.gguf_header import file_type
+from backends.gguf import CONVERTED_SUFFIX, metadata_folder, read_error
+from backends.gguf_header import architecture, file_type
 from backends.torch import BUILDERS, RUNS, gguf_model, w4a8
 from backends.torch import attention as torch_attention
 from backends.torch.decoder import LeanDecoder, lean_reason
@@ -135,7 +136,10 @@ def auto_cpu_dtype(path: Path) -> tuple[str, str]:
     with this CPU's measured exactness (see docs/PERFORMANCE.md, CPU dtypes and kernels)."""
     gguf = path.suffix == ".gguf"
     name, bits = (file_type(path) if gguf else None) or (None, None)
-    return auto_dtype(Source(gguf, name, bits), measured_probes())
+    probes = measured_probes()
+    if gguf and gguf_model.blocks_reason(architecture(path)) is not None:
+        probes = replace(probes, gguf=lambda: False)  # its blocks would compute wrong values
+    return auto_dtype(Source(gguf, name, bits), probes)
 
 
 def measured_probes() -> Probes:
@@ -304,6 +308,8 @@ def _load_hf(path: Path, dtype: str, torch_dtype: torch.dtype,
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **extra)
         return hf, AutoTokenizer.from_pretrained(str(path)), path
     except (OSError, ValueError) as error:
+        if path.suffix == ".gguf":
+            raise read_error(path, error) from error
         raise SpecdeckError(f"could not load a model from {path}: {error}. Check that the "
                             "folder holds config.json, weights and tokenizer files, or "
                             "re-download it with `specdeck pull`") from error

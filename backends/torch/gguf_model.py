@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from app.core.types import SpecdeckError
 from backends.gguf import metadata_folder
+from backends.gguf_header import architecture
 from backends.gguf_tensors import GgufTensors, open_tensors
 from backends.torch import ggml, kquant
 from backends.torch.fuse import GROUPS, FusedProjection, ProjectionSlice
@@ -34,6 +35,19 @@ from backends.torch.gguf_layers import GgufEmbedding, GgufLinear, Part
 # GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
 # layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
 PERMUTED_QK = frozenset({"llama"})
+# hybrid families whose converter stored recurrent tensors transformed (A as -exp(A_log), the
+# conv kernel squeezed, (1 + w) norms offset by one): the blocks path maps names, not values,
+# so these load through transformers' own reader (which undoes them), or not on blocks at all
+TRANSFORMED = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+
+
+def blocks_reason(architecture: str | None) -> str | None:
+    """Why a GGUF of this architecture cannot compute on its own blocks here, or None."""
+    if architecture in TRANSFORMED:
+        return (f"llama.cpp stores a {architecture} GGUF's recurrent tensors transformed "
+                "(A as -exp(A_log), conv kernels squeezed, norms offset by one), which "
+                "specdeck's blocks path does not undo")
+    return None
 
 
 def unavailable_reason() -> str | None:
@@ -45,6 +59,10 @@ def unavailable_reason() -> str | None:
 
 def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of a .gguf whose linear layers compute on the file's blocks."""
+    reason = blocks_reason(architecture(path))
+    if reason is not None:
+        raise SpecdeckError(f"--dtype gguf cannot run {path.name}: {reason}; use --dtype auto "
+                            "(transformers reads it into memory) or the safetensors checkpoint")
     folder = metadata_folder(path)
     config = AutoConfig.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

@@ -181,7 +181,9 @@ class HistoryStore:
         _log.warning(notice)
 
     def _evict(self, records: list[Record]) -> tuple[list[Record], int]:
-        """Oldest first, down to LOW_WATER of a bound once a bound is passed."""
+        """Oldest first, down to LOW_WATER of a bound once a bound is passed (it drafted more
+        than least used or least recently used in scripts/eviction_replay.py: a re-given reply
+        is recorded again, so the old copies are the stale ones; docs/PERFORMANCE.md)."""
         tokens = sum(len(r.tokens) for r in records)
         size = body_bytes(records)
         if tokens <= self.bounds.max_tokens and size <= self.bounds.max_bytes:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from backends.gguf_header import file_type
 from backends.torch import backend as torch_backend
 from backends.torch import gguf_model, w4a8
 from backends.torch.backend import TorchBackend, auto_cpu_dtype
+from tests.ggufs import header_gguf
 from tests.tiny import save_hf_folder, tiny_llama
 
 
@@ -23,16 +22,12 @@ def _no_ggml(monkeypatch):
 
 
 def _gguf(path: Path, ftype: int) -> Path:
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_token_list(["<s>", "a", "bc"])  # an array of strings before the file type
-    writer.add_token_scores([0.0, -1.0, -2.0])
-    writer.add_file_type(ftype)
-    writer.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    def fields(writer) -> None:
+        writer.add_token_list(["<s>", "a", "bc"])  # an array of strings before the file type
+        writer.add_token_scores([0.0, -1.0, -2.0])
+        writer.add_file_type(ftype)
+
+    return header_gguf(path, fields=fields)
 
 
 @pytest.mark.parametrize("ftype, name, bits", [(15, "Q4_K_M", 4.9), (7, "Q8_0", 8.5),

@@ -11,13 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from app.catalogue import hardware
 from backends.dtype_rule import Probes, Source, auto_dtype
 from backends.gguf_header import file_type
+from tests.ggufs import header_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = ("gguf", "w4a8", "int4", "w8a8", "native_bf16")
@@ -28,14 +27,7 @@ FTYPES = {15: "gguf-q4_k_m", 2: "gguf-q4_0", 18: "gguf-q6_k", 7: "gguf-q8_0", 1:
 
 
 def _gguf(path: Path, ftype: int) -> Path:
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_file_type(ftype)
-    writer.add_tensor("t", np.zeros((2, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return header_gguf(path, fields=lambda writer: writer.add_file_type(ftype))
 
 
 def _answers() -> list[dict[str, bool]]:

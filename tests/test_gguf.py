@@ -14,6 +14,7 @@ import pytest
 
 from app.core.types import SpecdeckError
 from backends.gguf import converted_path, hf_folder, read_record
+from tests.ggufs import header_gguf
 
 GGUF = b"GGUF" + bytes(range(256)) * 64
 
@@ -175,29 +176,13 @@ def test_a_bad_path_is_refused_naming_the_fix(tmp_path, name, fix):
         hf_folder(tmp_path / name, FakeConverter())
 
 
-def header_only_gguf(path: Path, architecture: str) -> Path:
-    """A GGUF of an architecture with its header and one tensor: enough for transformers to
-    say whether it reads the family."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_a_gguf_of_a_family_transformers_cannot_read_names_the_safetensors_route(tmp_path):
     """Qwen3-Next's qwen3next: read as a damaged file, it would send the user to download a
     good one again."""
     pytest.importorskip("transformers")
     from backends.gguf import save_metadata
 
-    path = header_only_gguf(tmp_path / "next.gguf", "qwen3next")
+    path = header_gguf(tmp_path / "next.gguf", "qwen3next")
     with pytest.raises(SpecdeckError, match=r"is a qwen3next GGUF.*safetensors "
                                             r"checkpoint.*--backend llamacpp") as refused:
         hf_folder(path, save_metadata)
@@ -214,7 +199,7 @@ def test_a_hybrid_gguf_never_computes_on_blocks_whose_values_llama_cpp_transform
     from backends.torch.backend import auto_cpu_dtype
     from backends.torch.gguf_model import load_gguf_model
 
-    path = header_only_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    path = header_gguf(tmp_path / f"{architecture}.gguf", architecture)
     with pytest.raises(SpecdeckError, match=r"--dtype gguf cannot run.*transformed.*"
                                             r"--dtype auto"):
         load_gguf_model(path)
@@ -224,5 +209,5 @@ def test_a_hybrid_gguf_never_computes_on_blocks_whose_values_llama_cpp_transform
 def test_the_header_names_a_ggufs_architecture_without_reading_its_tensors(tmp_path):
     from backends.gguf_header import architecture
 
-    assert architecture(header_only_gguf(tmp_path / "g.gguf", "gemma4")) == "gemma4"
+    assert architecture(header_gguf(tmp_path / "g.gguf", "gemma4")) == "gemma4"
     assert architecture(tmp_path / "g.gguf.missing") is None

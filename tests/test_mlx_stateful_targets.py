@@ -32,7 +32,7 @@ from backends.torch import attention  # noqa: E402
 from tests.tiny import mlx_twin  # noqa: E402
 from tests.tiny_families import WINDOW, tiny_family  # noqa: E402
 
-RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h")
+RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "falcon_h1")
 FAMILIES = (*RECURRENT, "gemma3_text")  # mlx-lm builds these as transformers does
 PROMPT = [5, 9, 3, 7, 11, 2, 4, 8, 13, 6, 10, 12, 5, 9, 3, 7]
 NEW = 32

@@ -57,6 +57,13 @@ def _nemotron_h() -> Any:
         use_mamba_kernels=False)
 
 
+def _falcon_h1() -> Any:
+    from transformers import FalconH1Config
+    return FalconH1Config(**_COMMON, intermediate_size=64, num_hidden_layers=3, mamba_d_ssm=32,
+                          mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+                          mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16)
+
+
 def _gemma3() -> Any:
     from transformers import Gemma3TextConfig
     return Gemma3TextConfig(**_COMMON, intermediate_size=64, num_hidden_layers=4,
@@ -81,9 +88,9 @@ def _gpt_oss() -> Any:
 
 
 CONFIGS = {"qwen3_5_text": _qwen3_5, "qwen3_5_moe_text": _qwen3_5_moe, "qwen3_next": _qwen3_next,
-           "nemotron_h": _nemotron_h, "gemma3_text": _gemma3, "mistral": _mistral,
-           "gpt_oss": _gpt_oss}
-RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h")
+           "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1, "gemma3_text": _gemma3,
+           "mistral": _mistral, "gpt_oss": _gpt_oss}
+RECURRENT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "falcon_h1")
 WINDOWED = ("gemma3_text", "mistral", "gpt_oss")
 
 

@@ -2,9 +2,10 @@
 conv input of each Gated DeltaNet or Mamba-2 layer, and the state slots speculation adds (one
 state per verified position: state bytes x (k + 1) per stream, issue 45).
 
-Knows: the config fields of qwen3_5 / qwen3_next (linear_*) and nemotron_h (mamba_*) layers,
-and what transformers' past recording holds during a verify (backends/torch/rewind.py): the
-state after each of the k + 1 rows, and k + 1 more conv input columns. Must not know: torch,
+Knows: the config fields of qwen3_5 / qwen3_next (linear_*), nemotron_h (mamba_*) and
+falcon_h1 (mamba_d_*) layers, and what transformers' past recording holds during a verify
+(backends/torch/rewind.py): the state after each of the k + 1 rows, and k + 1 more conv input
+columns. Must not know: torch,
 the planner's choice, surfaces (the planner and `models` are to show it beside KV per token).
 """
 
@@ -56,6 +57,8 @@ def stream_state(config: dict[str, Any]) -> StreamState:
     if "mamba_num_heads" in c:
         one = _mamba2(c)
         return StreamState(tuple(one for t in types if t in ("mamba", "linear_attention")))
+    if "mamba_d_state" in c:  # Falcon-H1: a Mamba-2 mixer beside attention in every layer
+        return StreamState((_falcon_mamba(c),) * int(c["num_hidden_layers"]))
     return StreamState(())
 
 
@@ -74,3 +77,11 @@ def _mamba2(c: dict[str, Any]) -> LayerState:
     return LayerState(state_elements=inner * state,
                       conv_channels=inner + 2 * int(c.get("n_groups", 1)) * state,
                       conv_kernel=int(c.get("conv_kernel", 4)))
+
+
+def _falcon_mamba(c: dict[str, Any]) -> LayerState:
+    inner = int(c.get("mamba_d_ssm") or int(c.get("mamba_expand", 2)) * int(c["hidden_size"]))
+    state = int(c["mamba_d_state"])
+    return LayerState(state_elements=inner * state,
+                      conv_channels=inner + 2 * int(c.get("mamba_n_groups", 1)) * state,
+                      conv_kernel=int(c.get("mamba_d_conv", 4)))

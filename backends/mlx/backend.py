@@ -83,7 +83,7 @@ class MlxSession:
     @property
     def length(self) -> int:
         # recurrent layers count no tokens: an attention layer's cache does
-        counted = [c for c in self._cache if hasattr(c, "offset")]
+        counted = [c for c in mlx_rewind.leaves(self._cache) if hasattr(c, "offset")]
         return int(counted[0].offset) if counted else len(self._ids)
 
     @property
@@ -174,11 +174,11 @@ class MlxSession:
 
     def _cuts_to(self, length: int) -> bool:
         return all(mlx_rewind.cuts(c, getattr(c, "offset", length) - length)
-                   for c in self._cache)
+                   for c in mlx_rewind.leaves(self._cache))
 
     def _trim(self, length: int) -> None:
         # per layer: a forward interrupted by an exception can leave layers of unequal length
-        for cache in self._cache:
+        for cache in mlx_rewind.leaves(self._cache):
             extra = getattr(cache, "offset", length) - length
             if extra > 0:
                 cache.trim(extra)

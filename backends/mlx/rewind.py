@@ -14,7 +14,8 @@ between (none when the checkpoint is the kept length: every one-row forward leav
 A session holds at most MAX_CHECKPOINTS states per recurrent layer beside the live one, and
 after a rewind only the one it restored.
 
-Knows: mlx-lm's cache classes (KVCache, RotatingKVCache, ArraysCache) and their fields.
+Knows: mlx-lm's cache classes (KVCache, RotatingKVCache, ArraysCache, CacheList) and their
+fields.
 Must not know: tokens, models, drafting, verification.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 SPARE = 64  # rows a window keeps past its size: the longest verify or draft a cut undoes
 # per session, each a state per recurrent layer: a draft model's k one-row forwards (k <= 8)
@@ -102,6 +103,12 @@ def session_cache(cache: list[Any]) -> list[Any]:
             for c in cache]
 
 
+def leaves(cache: list[Any]) -> list[Any]:
+    """Each layer's caches, a CacheList opened (Falcon-H1 keeps a Mamba state and KV rows per
+    layer in one)."""
+    return [leaf for c in cache for leaf in (c.caches if isinstance(c, CacheList) else (c,))]
+
+
 def cuts(cache: Any, n: int) -> bool:
     """Whether a cache layer can drop its last n rows in place."""
     if isinstance(cache, WindowCache):
@@ -110,7 +117,7 @@ def cuts(cache: Any, n: int) -> bool:
 
 
 def stateful(cache: list[Any]) -> list[ArraysCache]:
-    return [c for c in cache if isinstance(c, ArraysCache)]
+    return [c for c in leaves(cache) if isinstance(c, ArraysCache)]
 
 
 @dataclass(frozen=True)

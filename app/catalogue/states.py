@@ -5,8 +5,8 @@ state per verified position: state bytes x (k + 1) per stream, issue 45).
 Knows: the config fields of qwen3_5 / qwen3_next (linear_*), nemotron_h (mamba_*) and
 falcon_h1 (mamba_d_*) layers, and what transformers' past recording holds during a verify
 (backends/torch/rewind.py): the state after each of the k + 1 rows, and k + 1 more conv input
-columns. Must not know: torch,
-the planner's choice, surfaces (the planner and `models` are to show it beside KV per token).
+columns. Must not know: torch, the planner's choice, surfaces (the planner and `models` are to
+show it beside KV per token).
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ def _capabilities(cache: list[Any], no_trees: str) -> Capabilities:
     """Every cache layer rewinds (rewind.py); a window or a state verifies chains only."""
     if mlx_rewind.stateful(cache):
         return Capabilities(rewind=True, hidden_states=True, reason=mlx_rewind.RECURRENT_CHAINS)
-    if any(isinstance(c, RotatingKVCache) for c in cache):
+    if any(isinstance(c, RotatingKVCache) for c in mlx_rewind.leaves(cache)):
         return Capabilities(rewind=True, hidden_states=True, reason=mlx_rewind.WINDOW_CHAINS)
     return Capabilities(rewind=True, hidden_states=True, tree_attention=not no_trees,
                         reason=no_trees)

@@ -134,7 +134,7 @@ def test_sampled_speculation_on_a_gguf_draws_from_the_targets_distribution(tmp_p
 # ---- the steps between matmuls in C (lean_ops): widths that fill whole vectors ----------
 
 needs_lean_ops = pytest.mark.skipif(not lean_ops.is_available(),
-                                    reason="lean_ops needs AVX-512 and a C compiler")
+                                    reason="lean_ops needs AVX2 or AVX-512 and a C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,42 @@ def test_on_the_c_steps_each_row_gets_its_one_row_bits_in_any_block(wide):
     session = wide.start()
     alone = [torch.as_tensor(session.forward([t]).host_logits()[-1]) for t in PROMPT]
     assert torch.equal(block, torch.stack(alone))
+
+
+@needs_lean_ops
+def test_lean_ops_give_a_row_its_one_row_bits_in_any_block_and_a_tree_row_its_twins():
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, width, inter, prefix, rows = 4, 2, 32, 64, 48, 20, 8
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    x, delta = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    weight, gate_up = torch.rand(width, generator=g), 6 * torch.randn(rows, 2 * inter, generator=g)
+    cos, sin = torch.rand(rows, dim, generator=g), torch.rand(rows, dim, generator=g)
+    cache = torch.randn(2, kv_heads, 64, dim, generator=g)
+
+    def steps(r: slice, first: int, cache: torch.Tensor, slots: lean_ops.Slots | None = None
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        q, kv = qkv[r].clone(), cache.clone()
+        lean_ops.rope(q, heads + kv_heads, dim, cos[r].contiguous(), sin[r].contiguous())
+        lean_ops.store_kv(q, heads * dim, (heads + kv_heads) * dim, kv_heads, dim, kv[0], kv[1],
+                          first)
+        seen = slots or lean_ops.Slots.of(None, first, q.shape[0])
+        return [lean_ops.rmsnorm(x[r].contiguous(), weight, 1e-6),
+                *lean_ops.add_rmsnorm(x[r].contiguous(), delta[r].contiguous(), weight, 1e-6),
+                lean_ops.silu_mul(gate_up[r].contiguous(), inter), q,
+                lean_ops.attention(q, heads, kv_heads, dim, kv[0], kv[1], seen, dim ** -0.5)], kv
+
+    # rows see 21..28 slots: a whole vector of scores and a tail of 5..12
+    block, stored = steps(slice(0, rows), prefix, cache)
+    for r in range(rows):
+        alone, _ = steps(slice(r, r + 1), prefix + r, stored)
+        assert all(torch.equal(b[r:r + 1], a) for b, a in zip(block, alone))
+    # a tree row over slots 0..19 and 40..46 (itself last) reads what its chain twin reads
+    # from slots 0..26
+    cache[:, :, prefix:27] = cache[:, :, 40:47]
+    tree, _ = steps(slice(3, 4), 46, cache,
+                    lean_ops.Slots.of([torch.tensor([*range(prefix), *range(40, 47)])], 46, 1))
+    chain, _ = steps(slice(3, 4), 26, cache)
+    assert torch.equal(tree[-1], chain[-1])
 
 
 @needs_lean_ops

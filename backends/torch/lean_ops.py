@@ -1,10 +1,10 @@
 """The steps between a GGUF decoder layer's matmuls, in C (kernels/lean_ops.c): RMSNorm with
 the residual add, rotary embedding, the KV cache write, row-wise attention, SiLU gating.
 
-Knows: the kernel's build (cbuild, as kquant's) and its calls through ctypes, float32
-contiguous tensors and their addresses, how a row's visible slots are given (a slice from
-slot 0, or slot indices: the prefix, then a tree row's ancestors). Must not know: models,
-sessions, GGUF parsing, drafting.
+Knows: the kernel's build (cbuild, as kquant's: AVX-512, else AVX2 with FMA) and its calls
+through ctypes, float32 contiguous tensors and their addresses, how a row's visible slots are
+given (a slice from slot 0, or slot indices: the prefix, then a tree row's ancestors). Must
+not know: models, sessions, GGUF parsing, drafting.
 
 Why: decoder.py's torch steps cost about 9 ms of a 42 ms one-row forward of the 1.5B Qwen on
 two cores, mostly in dispatching some 30 small ops per layer. These give each row bits that
@@ -24,19 +24,30 @@ from pathlib import Path
 import torch
 
 from backends.cbuild import build, compiler, loads
-from backends.cpu import cpu_has_w4a8
+from backends.cpu import cpu_has_avx2, cpu_has_w4a8
 
 _SOURCE = Path(__file__).parent / "kernels" / "lean_ops.c"
-_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")
-WIDTH = 16  # floats per vector: every width handed over is a multiple
+_AVX512 = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")
+_AVX2 = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
+WIDTH = 16  # the kernel's LANES, floats per vec (two vectors on AVX2): every width a multiple
 MAX_HEAD_DIM = 256  # kernels/lean_ops.c's MAX_DIM: a head's output row stays in registers
 
 Keys = slice | torch.Tensor  # as decoder.py names a row's visible slots
 
 
+def _flags() -> tuple[str, ...] | None:
+    """The build this CPU runs: AVX-512 where w4a8's CPU check holds, else AVX2 with FMA."""
+    if cpu_has_w4a8():
+        return _AVX512
+    return _AVX2 if cpu_has_avx2() else None
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
-    library = build("lean_ops", _SOURCE, _FLAGS, link=("-lm",))
+    flags = _flags()
+    if flags is None:
+        raise OSError("lean_ops needs AVX-512 or AVX2 with FMA")
+    library = build("lean_ops", _SOURCE, flags, link=("-lm",))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.lo_rmsnorm.argtypes = [p, p, f, i, i, p]
     library.lo_add_rmsnorm.argtypes = [p, p, p, f, i, i, p, p]
@@ -50,8 +61,8 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def is_available() -> bool:
-    """Whether the kernel builds and runs here (AVX-512 and a C compiler)."""
-    return cpu_has_w4a8() and compiler() is not None and loads(_library)
+    """Whether the kernel builds and runs here (AVX-512 or AVX2 with FMA, and a C compiler)."""
+    return _flags() is not None and compiler() is not None and loads(_library)
 
 
 def fits(hidden: int, intermediate: int, head_dim: int) -> bool:

@@ -38,3 +38,13 @@ def cpu_has_w4a8() -> bool:
     except OSError:
         return False
     return all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2 with FMA and F16C: what the AVX2 builds of kquant.c and lean_ops.c need, on the
+    CPUs without AVX-512 (AMD Zen 2/3, Intel before Ice Lake)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(flag in flags for flag in ("avx2", "fma", "f16c"))

@@ -3,7 +3,7 @@ line, the greedy tokens of a prompt asked twice and the bits of the prompt's las
 
 Run as `python -m tests.determinism_child HF_FOLDER GGUF_FILE DTYPE...`. A dtype
 `gguf:ggml` is the GGUF on ggml's dot products (kquant switched off), as on a CPU without
-VNNI. Knows: the torch backend and the engine. Must not know: what the test compares.
+AVX2. Knows: the torch backend and the engine. Must not know: what the test compares.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GGML = pytest.param("gguf:ggml", marks=pytest.mark.skipif(
     not ggml.is_available(), reason=f"ggml cannot run here: {ggml.unavailable_reason()}"))
 KQUANT = pytest.param("gguf", marks=pytest.mark.skipif(
-    not kquant.is_available(), reason="kquant needs AVX512-VNNI and a C compiler"))
+    not kquant.is_available(), reason="kquant needs AVX-512 VNNI or AVX2, and a C compiler"))
 W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(
     not w8a8_is_exact(), reason="this CPU's int8 matmul saturates (no VNNI)"))
 INT4 = pytest.param("int4", marks=pytest.mark.skipif(

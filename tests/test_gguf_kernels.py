@@ -20,7 +20,7 @@ K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 # (offset of the fp16 super-block scales in a block): random bytes elsewhere are valid codes
 K_SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 needs_kquant = pytest.mark.skipif(not kquant.is_available(),
-                                  reason="kquant needs AVX512-VNNI and a C compiler")
+                                  reason="kquant needs AVX-512 VNNI or AVX2, and a C compiler")
 needs_ggml = pytest.mark.skipif(not ggml.is_available(),
                                 reason=f"ggml is not here: {ggml.unavailable_reason()}")
 
@@ -63,6 +63,31 @@ def check(kind: T, packed: bool) -> None:
 @pytest.mark.parametrize("kind", LEGACY + K_QUANTS, ids=lambda t: t.name)
 def test_kquant_computes_the_files_values_and_each_row_alone(kind):
     check(kind, packed=True)
+
+
+def saturating(kind: T, rows: int, k: int) -> np.ndarray:
+    """Blocks whose every code is the type's largest (Q8_0: its most negative, -128), where an
+    int8 dot product that widens too late overflows."""
+    block, size = GGML_QUANT_SIZES[kind]
+    blocks = np.full((rows * k // block, size), 0x80 if kind == T.Q8_0 else 0xFF, np.uint8)
+    scale = np.array([0.01], np.float16).view(np.uint8)
+    for offset in K_SCALES.get(kind, (0, 2) if kind in (T.Q4_1, T.Q5_1) else (0,)):
+        blocks[:, offset:offset + 2] = scale  # d, and the legacy types' m
+    return blocks.reshape(rows, -1)
+
+
+@needs_kquant
+@pytest.mark.parametrize("kind", LEGACY + K_QUANTS, ids=lambda t: t.name)
+def test_kquant_keeps_the_largest_codes_times_the_largest_activations_exact(kind):
+    rows, k = 16, 256
+    data = saturating(kind, rows, k)
+    info = TensorInfo("w", int(kind), (k, rows), 0, data.nbytes)
+    tiles = kquant.pack(int(kind), data, rows, k)
+    linear = GgufLinear([Part(data.reshape(-1), info, packed=tiles)])
+    weight = torch.from_numpy(dequantize(data, kind).reshape(rows, k).astype(np.float32))
+    x = torch.stack([torch.ones(k), -torch.ones(k)])  # every activation code +127, then -127
+    expected = x @ weight.T
+    assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-4 * expected.abs().max())
 
 
 @needs_ggml

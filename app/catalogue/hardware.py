@@ -63,13 +63,15 @@ def _quant_bits(fmt: str) -> float | None:
 
 def _gguf_runs_here() -> bool:
     """Whether torch runs a GGUF on its own blocks here (backends/torch/gguf_model.py), judged
-    without importing torch: kquant needs AVX512-VNNI, ggml llama-cpp-python; both a compiler."""
+    without importing torch: kquant needs AVX-512 VNNI or AVX2, ggml llama-cpp-python; both a
+    compiler."""
     import importlib.util
 
     from backends.cbuild import compiler
-    from backends.cpu import cpu_has_w4a8
+    from backends.cpu import cpu_has_avx2, cpu_has_w4a8
 
-    kernel = cpu_has_w4a8() or importlib.util.find_spec("llama_cpp") is not None
+    kernel = (cpu_has_w4a8() or cpu_has_avx2()
+              or importlib.util.find_spec("llama_cpp") is not None)
     return kernel and compiler() is not None
 
 

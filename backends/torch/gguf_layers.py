@@ -1,7 +1,7 @@
 """Linear layers and embeddings over a GGUF file's own tensors.
 
 Knows: byte views of memory-mapped tensors (backends/gguf_tensors.py), which kernel computes
-a tensor (kquant.py's VNNI tiles where it takes the type, else ggml.py's dot products), the
+a tensor (kquant.py's tiles where it takes the type, else ggml.py's dot products), the
 gguf package's dequantization (embedding rows). Must not know: models' architectures,
 sessions, drafting.
 

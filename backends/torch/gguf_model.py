@@ -54,7 +54,8 @@ def unavailable_reason() -> str | None:
     """Why no kernel here computes on GGUF blocks, or None."""
     if kquant.is_available() or ggml.is_available():
         return None
-    return f"this CPU lacks AVX512-VNNI (specdeck's kernel) and {ggml.unavailable_reason()}"
+    return ("this CPU lacks AVX-512 VNNI and AVX2 (specdeck's kernel) and "
+            f"{ggml.unavailable_reason()}")
 
 
 def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple[Any, Any]:

@@ -1,5 +1,5 @@
 """GGUF tensors (Q4_K, Q5_K, Q6_K and the legacy Q4/Q5/Q8 types), repacked once at load into the
-tiles that the VNNI kernel in kernels/kquant.c multiplies several rows through at once.
+tiles that kernels/kquant.c (AVX-512 VNNI, else AVX2) multiplies several rows through at once.
 
 Knows: the kernel's build (system C compiler, cached per machine like w4a8's) and calls
 through ctypes. Must not know: models, GGUF parsing (the caller hands over a tensor's stored
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from backends.cbuild import build, compiler, loads
-from backends.cpu import cpu_has_w4a8
+from backends.cpu import cpu_has_avx2, cpu_has_w4a8
 
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
-_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512vnni", "-mfma", "-mf16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})  # blocks of 256; the legacy types' are of 32
 TYPES = frozenset({2, 3, 6, 7, 8, *K_QUANTS})  # plus Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
@@ -35,7 +35,8 @@ TILE, SUPER, GROUP, MAX_ROWS = 16, 256, 32, 16
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    library = build("kquant", _SOURCE, _FLAGS)
+    isa = _AVX512 if cpu_has_w4a8() else _AVX2
+    library = build("kquant", _SOURCE, ("-O3", "-fPIC", "-shared", "-fopenmp", *isa))
     p, i = ctypes.c_void_p, ctypes.c_int
     library.kq_packed_bytes.argtypes = [i, i, i]
     library.kq_packed_bytes.restype = ctypes.c_size_t
@@ -47,8 +48,9 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def is_available() -> bool:
-    """Whether the kernel builds and runs here (AVX-512 VNNI and a C compiler)."""
-    return cpu_has_w4a8() and compiler() is not None and loads(_library)
+    """Whether the kernel builds and runs here (AVX-512 VNNI or AVX2, and a C compiler)."""
+    return ((cpu_has_w4a8() or cpu_has_avx2()) and compiler() is not None
+            and loads(_library))
 
 
 def can_take(ggml_type: int, out_features: int, in_features: int) -> bool:

@@ -1,5 +1,8 @@
 /* kquant: GGUF weights (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with the values the file
- * stores, times 8-bit activations on AVX-512 VNNI; each row alone, in tiles of 16 output rows.
+ * stores, times 8-bit activations; each row alone, in tiles of 16 output rows. Two builds of
+ * one multiply: AVX-512 VNNI (dpbusd over a whole tile), and AVX2 for the CPUs without it
+ * (maddubs + madd over each half of a tile: the same integers, the same float steps per lane,
+ * so both builds give the same bits).
  *
  * Knows: ggml's block layouts of those types (read once at load by kq_pack),
  * the tiled layout below, the per-group activation quantization. Must not know: torch, models,
@@ -257,6 +260,13 @@ int kq_pack(int type, const uint8_t *src, int n, int k, uint8_t *dst) {
 
 /* ---- the multiply ---- */
 
+struct rows {
+    const int8_t *q;
+    const float *a, *b0, *b1;
+    int k, groups;
+};
+
+#if defined(__AVX512VNNI__) /* built with kquant.py's AVX-512 flags where the CPU has them */
 /* Row x [k] float32 to int8 codes; per group its scale a and a times each half's code sum. */
 static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b0, float *b1) {
     for (int g = 0; g < k / GROUP; g++) {
@@ -274,11 +284,6 @@ static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b0, 
     }
 }
 
-struct rows {
-    const int8_t *q;
-    const float *a, *b0, *b1;
-    int k, groups;
-};
 
 /* A group's weights as ws * code + z per half, for 16 output rows: from the K-quant
  * header (d, dmin) and the group's small scales, or the legacy group's own d and m. */
@@ -374,6 +379,170 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
             _mm512_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE, v);                        \
         }                                                                                      \
     }
+#else /* AVX2: the same integers and float steps per lane, in two 8-row halves of a tile */
+
+/* dpbusd's sums of 4 u8 x s8 products per lane, for 4 vectors of codes at once: maddubs' s16
+ * pairs summed before madd widens them. Exact while no s16 sum passes 32767: four pairs of
+ * codes below 32 (4 * 2 * 31 * 127), two pairs below 64 (Q6_K's); Q8_0's 8-bit codes go
+ * through as two nibbles. */
+static inline __m256i dot16(__m256i acc, const __m256i c[4], const int32_t *qa, int below64) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[4];
+    for (int j = 0; j < 4; j++)
+        p[j] = _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(qa[j]));
+    __m256i s01 = _mm256_add_epi16(p[0], p[1]), s23 = _mm256_add_epi16(p[2], p[3]);
+    if (below64)
+        return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(s01, ones),
+                                                      _mm256_madd_epi16(s23, ones)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* Row x [k] float32 to int8 codes; per group its scale a and a times each half's code sum. */
+static void quantize_row(const float *x, int k, int8_t *q, float *a, float *b0, float *b1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xg + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        float amax = max8(m);
+        float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t codes[GROUP], sums[2] = {0, 0};
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(codes + 8 * i),
+                                _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))));
+        for (int j = 0; j < GROUP; j++) {
+            int32_t c = codes[j];
+            q[g * GROUP + j] = (int8_t)(c > 127 ? 127 : c < -128 ? -128 : c);
+            sums[j / 16] += c;
+        }
+        a[g] = d;
+        b0[g] = d * (float)sums[0];
+        b1[g] = d * (float)sums[1];
+    }
+}
+
+/* group_params for the 8 output rows of half h of the tile */
+static inline void group_params(int type, const uint8_t *params, int h, __m256 d, __m256 dmin,
+                                __m256 *ws0, __m256 *ws1, __m256 *z0, __m256 *z1) {
+    if (type == Q6K) {
+        *ws0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64((const __m128i *)(params + 8 * h)))));
+        *ws1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64((const __m128i *)(params + 16 + 8 * h)))));
+        *z0 = _mm256_mul_ps(_mm256_set1_ps(-32.0f), *ws0);
+        *z1 = _mm256_mul_ps(_mm256_set1_ps(-32.0f), *ws1);
+    } else if (has_min_k(type)) {
+        *ws0 = *ws1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                           _mm_loadl_epi64((const __m128i *)(params + 8 * h)))));
+        __m256 m = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                           _mm_loadl_epi64((const __m128i *)(params + 16 + 8 * h)))));
+        *z0 = *z1 = _mm256_sub_ps(_mm256_setzero_ps(), m);
+    } else {
+        *ws0 = *ws1 = _mm256_loadu_ps((const float *)params + 8 * h);
+        float offset = type == Q4_0 ? -8.0f : type == Q5_0 ? -16.0f : -128.0f;
+        *z0 = *z1 = param_bytes(type) == 128 ? _mm256_loadu_ps((const float *)params + 16 + 8 * h)
+                                              : _mm256_mul_ps(_mm256_set1_ps(offset), *ws0);
+    }
+}
+
+/* Half h of a group's codes for 8 output rows: c the codes (below 64), or Q8_0's low nibbles
+ * with its high ones in ch. */
+static inline void half_codes(int hb, const uint8_t *block, int h, __m256i c[8], __m256i ch[8]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(block + 64 * p + 32 * h));
+        c[p] = _mm256_and_si256(v, nib);
+        c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    }
+    if (hb == 4)
+        for (int p = 0; p < 4; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(block + 256 + 64 * p + 32 * h));
+            ch[p] = _mm256_and_si256(v, nib);
+            ch[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+    if (hb == 2)
+        for (int s = 0; s < 2; s++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(block + 256 + 64 * s + 32 * h));
+            for (int q = 0; q < 4; q++)
+                c[4 * s + q] = _mm256_or_si256(
+                    c[4 * s + q],
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 2 * q), two), 4));
+        }
+}
+
+/* the integer dot products of one row's group with 8 rows' codes: inputs 0..15, 16..31 */
+static inline void row_dots(int type, const __m256i c[8], const __m256i ch[8], const int32_t *qa,
+                            __m256i *lo, __m256i *hi) {
+    int below64 = type == Q6K;
+    *lo = dot16(_mm256_setzero_si256(), c, qa, below64);
+    *hi = dot16(_mm256_setzero_si256(), c + 4, qa + 4, below64);
+    if (type == Q8_0) {
+        *lo = _mm256_add_epi32(*lo, _mm256_slli_epi32(dot16(_mm256_setzero_si256(), ch, qa, 0), 4));
+        *hi = _mm256_add_epi32(*hi,
+                               _mm256_slli_epi32(dot16(_mm256_setzero_si256(), ch + 4, qa + 4, 0), 4));
+    }
+}
+
+#define TILE_ROWS(NR)                                                                          \
+    static void tile_rows_##NR(int type, const uint8_t *w, struct rows x, int r0, int t,       \
+                               const float *bias, float *out, int n) {                          \
+        __m256 acc[NR][2];                                                                     \
+        for (int r = 0; r < NR; r++)                                                           \
+            acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                       \
+        const uint8_t *block = w + (size_t)t * tile_bytes(type, x.k);                          \
+        int hb = high_bits(type);                                                              \
+        __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};      \
+        for (int g = 0; g < x.groups; g++) {                                                   \
+            if (is_k(type) && g % 8 == 0) {                                                    \
+                for (int h = 0; h < 2; h++) {                                                  \
+                    d[h] = _mm256_loadu_ps((const float *)block + 8 * h);                      \
+                    if (has_min_k(type))                                                       \
+                        dmin[h] = _mm256_loadu_ps((const float *)block + 16 + 8 * h);          \
+                }                                                                              \
+                block += header_bytes(type);                                                   \
+            }                                                                                  \
+            for (int l = 0; l < group_bytes(type); l += 64)                                    \
+                _mm_prefetch((const char *)block + PREFETCH_GROUPS * group_bytes(type) + l,    \
+                             _MM_HINT_T0);                                                     \
+            for (int h = 0; h < 2; h++) {                                                      \
+                __m256i c[8], ch[8];                                                           \
+                half_codes(hb, block, h, c, ch);                                               \
+                __m256 ws0, ws1, z0, z1;                                                       \
+                group_params(type, block + 256 + 64 * hb, h, d[h], dmin[h], &ws0, &ws1, &z0,   \
+                             &z1);                                                             \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int row = r0 + r;                                                          \
+                    const int32_t *qa = (const int32_t *)(x.q + (size_t)row * x.k + g * GROUP); \
+                    __m256i lo, hi;                                                            \
+                    row_dots(type, c, ch, qa, &lo, &hi);                                         \
+                    size_t at = (size_t)row * x.groups + g;                                    \
+                    __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws0);                  \
+                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), ws1, part);                 \
+                    acc[r][h] = _mm256_fmadd_ps(part, _mm256_set1_ps(x.a[at]), acc[r][h]);     \
+                    acc[r][h] = _mm256_fmadd_ps(z0, _mm256_set1_ps(x.b0[at]), acc[r][h]);      \
+                    acc[r][h] = _mm256_fmadd_ps(z1, _mm256_set1_ps(x.b1[at]), acc[r][h]);      \
+                }                                                                              \
+            }                                                                                  \
+            block += group_bytes(type);                                                        \
+        }                                                                                      \
+        for (int r = 0; r < NR; r++)                                                           \
+            for (int h = 0; h < 2; h++) {                                                      \
+                __m256 v = acc[r][h];                                                          \
+                if (bias)                                                                      \
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(bias + t * TILE + 8 * h));            \
+                _mm256_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE + 8 * h, v);            \
+            }                                                                                  \
+    }
+#endif
 TILE_ROWS(1)
 TILE_ROWS(2)
 TILE_ROWS(3)

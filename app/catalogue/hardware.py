@@ -68,10 +68,9 @@ def _gguf_runs_here() -> bool:
     import importlib.util
 
     from backends.cbuild import compiler
-    from backends.cpu import cpu_has_avx2, cpu_has_w4a8
+    from backends.cpu import kernel_isa
 
-    kernel = (cpu_has_w4a8() or cpu_has_avx2()
-              or importlib.util.find_spec("llama_cpp") is not None)
+    kernel = kernel_isa() is not None or importlib.util.find_spec("llama_cpp") is not None
     return kernel and compiler() is not None
 
 

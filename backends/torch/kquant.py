@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from backends.cbuild import build, compiler, loads
-from backends.cpu import cpu_has_avx2, cpu_has_w4a8
+from backends.cpu import kernel_isa
 
 _SOURCE = Path(__file__).parent / "kernels" / "kquant.c"
-_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")
-_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c")}
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})  # blocks of 256; the legacy types' are of 32
 TYPES = frozenset({2, 3, 6, 7, 8, *K_QUANTS})  # plus Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
@@ -35,8 +36,10 @@ TILE, SUPER, GROUP, MAX_ROWS = 16, 256, 32, 16
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    isa = _AVX512 if cpu_has_w4a8() else _AVX2
-    library = build("kquant", _SOURCE, ("-O3", "-fPIC", "-shared", "-fopenmp", *isa))
+    isa = kernel_isa()
+    if isa is None:
+        raise OSError("kquant needs AVX-512 VNNI or AVX2")
+    library = build("kquant", _SOURCE, ("-O3", "-fPIC", "-shared", "-fopenmp", *_ISA_FLAGS[isa]))
     p, i = ctypes.c_void_p, ctypes.c_int
     library.kq_packed_bytes.argtypes = [i, i, i]
     library.kq_packed_bytes.restype = ctypes.c_size_t
@@ -49,8 +52,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def is_available() -> bool:
     """Whether the kernel builds and runs here (AVX-512 VNNI or AVX2, and a C compiler)."""
-    return ((cpu_has_w4a8() or cpu_has_avx2()) and compiler() is not None
-            and loads(_library))
+    return kernel_isa() is not None and compiler() is not None and loads(_library)
 
 
 def can_take(ggml_type: int, out_features: int, in_features: int) -> bool:

@@ -24,30 +24,23 @@ from pathlib import Path
 import torch
 
 from backends.cbuild import build, compiler, loads
-from backends.cpu import cpu_has_avx2, cpu_has_w4a8
+from backends.cpu import kernel_isa
 
 _SOURCE = Path(__file__).parent / "kernels" / "lean_ops.c"
-_AVX512 = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512dq", "-mfma")
-_AVX2 = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx2", "-mfma", "-mf16c")
+_ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512dq", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 WIDTH = 16  # the kernel's LANES, floats per vec (two vectors on AVX2): every width a multiple
 MAX_HEAD_DIM = 256  # kernels/lean_ops.c's MAX_DIM: a head's output row stays in registers
 
 Keys = slice | torch.Tensor  # as decoder.py names a row's visible slots
 
 
-def _flags() -> tuple[str, ...] | None:
-    """The build this CPU runs: AVX-512 where w4a8's CPU check holds, else AVX2 with FMA."""
-    if cpu_has_w4a8():
-        return _AVX512
-    return _AVX2 if cpu_has_avx2() else None
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
-    flags = _flags()
-    if flags is None:
+    isa = kernel_isa()
+    if isa is None:
         raise OSError("lean_ops needs AVX-512 or AVX2 with FMA")
-    library = build("lean_ops", _SOURCE, flags, link=("-lm",))
+    library = build("lean_ops", _SOURCE, ("-O3", "-fPIC", "-shared", "-fopenmp", *_ISA_FLAGS[isa]),
+                    link=("-lm",))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.lo_rmsnorm.argtypes = [p, p, f, i, i, p]
     library.lo_add_rmsnorm.argtypes = [p, p, p, f, i, i, p, p]
@@ -62,7 +55,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def is_available() -> bool:
     """Whether the kernel builds and runs here (AVX-512 or AVX2 with FMA, and a C compiler)."""
-    return _flags() is not None and compiler() is not None and loads(_library)
+    return kernel_isa() is not None and compiler() is not None and loads(_library)
 
 
 def fits(hidden: int, intermediate: int, head_dim: int) -> bool:

@@ -381,20 +381,32 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
     }
 #else /* AVX2: the same integers and float steps per lane, in two 8-row halves of a tile */
 
-/* dpbusd's sums of 4 u8 x s8 products per lane, for 4 vectors of codes at once: maddubs' s16
- * pairs summed before madd widens them. Exact while no s16 sum passes 32767: four pairs of
- * codes below 32 (4 * 2 * 31 * 127), two pairs below 64 (Q6_K's); Q8_0's 8-bit codes go
- * through as two nibbles. */
-static inline __m256i dot16(__m256i acc, const __m256i c[4], const int32_t *qa, int below64) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i p[4];
-    for (int j = 0; j < 4; j++)
-        p[j] = _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(qa[j]));
-    __m256i s01 = _mm256_add_epi16(p[0], p[1]), s23 = _mm256_add_epi16(p[2], p[3]);
+/* dpbusd's sums of 4 u8 x s8 products per lane: maddubs' s16 pairs summed before madd widens
+ * them. Exact while no s16 sum passes 32767: eight
+ * pairs of codes below 16 (8 * 2 * 15 * 127), four below 32, two below 64 (Q6_K's); Q8_0's
+ * 8-bit codes go through as two nibbles. */
+static inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+
+static inline __m256i pairs(const __m256i *c, const int32_t *qa, int j) {
+    return _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(qa[j]));
+}
+
+/* 8 vectors of codes below 16: every s16 pair summed, then widened once */
+static inline __m256i dots_below16(const __m256i *c, const int32_t *qa) {
+    __m256i s0 = _mm256_add_epi16(pairs(c, qa, 0), pairs(c, qa, 1));
+    __m256i s1 = _mm256_add_epi16(pairs(c, qa, 2), pairs(c, qa, 3));
+    __m256i s2 = _mm256_add_epi16(pairs(c, qa, 4), pairs(c, qa, 5));
+    __m256i s3 = _mm256_add_epi16(pairs(c, qa, 6), pairs(c, qa, 7));
+    return widen(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)));
+}
+
+/* 4 vectors of codes below 32 (chunk 4) or below 64 (chunk 2) */
+static inline __m256i dots4(const __m256i *c, const int32_t *qa, int below64) {
+    __m256i s01 = _mm256_add_epi16(pairs(c, qa, 0), pairs(c, qa, 1));
+    __m256i s23 = _mm256_add_epi16(pairs(c, qa, 2), pairs(c, qa, 3));
     if (below64)
-        return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(s01, ones),
-                                                      _mm256_madd_epi16(s23, ones)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+        return _mm256_add_epi32(widen(s01), widen(s23));
+    return widen(_mm256_add_epi16(s01, s23));
 }
 
 static inline float max8(__m256 v) {
@@ -479,68 +491,90 @@ static inline void half_codes(int hb, const uint8_t *block, int h, __m256i c[8],
         }
 }
 
-/* the integer dot products of one row's group with 8 rows' codes: inputs 0..15, 16..31 */
+/* the integer dot products of one row's group with 8 rows' codes: inputs 0..15 in lo and
+ * 16..31 in hi for Q6_K, whose two halves take two scales; all 32 in lo for the rest */
 static inline void row_dots(int type, const __m256i c[8], const __m256i ch[8], const int32_t *qa,
                             __m256i *lo, __m256i *hi) {
-    int below64 = type == Q6K;
-    *lo = dot16(_mm256_setzero_si256(), c, qa, below64);
-    *hi = dot16(_mm256_setzero_si256(), c + 4, qa + 4, below64);
-    if (type == Q8_0) {
-        *lo = _mm256_add_epi32(*lo, _mm256_slli_epi32(dot16(_mm256_setzero_si256(), ch, qa, 0), 4));
-        *hi = _mm256_add_epi32(*hi,
-                               _mm256_slli_epi32(dot16(_mm256_setzero_si256(), ch + 4, qa + 4, 0), 4));
+    if (type == Q6K) {
+        *lo = dots4(c, qa, 1);
+        *hi = dots4(c + 4, qa + 4, 1);
+    } else if (high_bits(type) == 2) {
+        *lo = _mm256_add_epi32(dots4(c, qa, 0), dots4(c + 4, qa + 4, 0));
+    } else {
+        *lo = dots_below16(c, qa);
+        if (type == Q8_0)
+            *lo = _mm256_add_epi32(*lo, _mm256_slli_epi32(dots_below16(ch, qa), 4));
     }
 }
 
+/* One tile for rows r0..r0+NR-1; inlined with NR and type constant, so each case below is
+ * its own loop with its own registers (a runtime type in the row loop costs about 20%). */
+static inline __attribute__((always_inline)) void tile_rows(int NR, int type, const uint8_t *w,
+                                                             struct rows x, int r0, int t,
+                                                             const float *bias, float *out,
+                                                             int n) {
+    __m256 acc[4][2]; /* NR <= 4 */
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *block = w + (size_t)t * tile_bytes(type, x.k);
+    int hb = high_bits(type);
+    __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};
+    for (int g = 0; g < x.groups; g++) {
+        if (is_k(type) && g % 8 == 0) {
+            for (int h = 0; h < 2; h++) {
+                d[h] = _mm256_loadu_ps((const float *)block + 8 * h);
+                if (has_min_k(type))
+                    dmin[h] = _mm256_loadu_ps((const float *)block + 16 + 8 * h);
+            }
+            block += header_bytes(type);
+        }
+        for (int l = 0; l < group_bytes(type); l += 64)
+            _mm_prefetch((const char *)block + PREFETCH_GROUPS * group_bytes(type) + l,
+                         _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i c[8], ch[8];
+            half_codes(hb, block, h, c, ch);
+            __m256 ws0, ws1, z0, z1;
+            group_params(type, block + 256 + 64 * hb, h, d[h], dmin[h], &ws0, &ws1, &z0,
+                         &z1);
+            for (int r = 0; r < NR; r++) {
+                int row = r0 + r;
+                const int32_t *qa = (const int32_t *)(x.q + (size_t)row * x.k + g * GROUP);
+                __m256i lo, hi = _mm256_setzero_si256();
+                row_dots(type, c, ch, qa, &lo, &hi);
+                size_t at = (size_t)row * x.groups + g;
+                __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws0);
+                if (type == Q6K)
+                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), ws1, part);
+                acc[r][h] = _mm256_fmadd_ps(part, _mm256_set1_ps(x.a[at]), acc[r][h]);
+                if (type == Q6K) {
+                    acc[r][h] = _mm256_fmadd_ps(z0, _mm256_set1_ps(x.b0[at]), acc[r][h]);
+                    acc[r][h] = _mm256_fmadd_ps(z1, _mm256_set1_ps(x.b1[at]), acc[r][h]);
+                } else /* one scale and offset for the group: z0 == z1 */
+                    acc[r][h] = _mm256_fmadd_ps(z0, _mm256_set1_ps(x.b0[at] + x.b1[at]),
+                                                acc[r][h]);
+            }
+        }
+        block += group_bytes(type);
+    }
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = acc[r][h];
+            if (bias)
+                v = _mm256_add_ps(v, _mm256_loadu_ps(bias + t * TILE + 8 * h));
+            _mm256_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE + 8 * h, v);
+        }
+}
+
+#define TILE_CASE(NR, T)                                                                       \
+    case T: tile_rows(NR, T, w, x, r0, t, bias, out, n); break;
 #define TILE_ROWS(NR)                                                                          \
     static void tile_rows_##NR(int type, const uint8_t *w, struct rows x, int r0, int t,       \
                                const float *bias, float *out, int n) {                          \
-        __m256 acc[NR][2];                                                                     \
-        for (int r = 0; r < NR; r++)                                                           \
-            acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                       \
-        const uint8_t *block = w + (size_t)t * tile_bytes(type, x.k);                          \
-        int hb = high_bits(type);                                                              \
-        __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};      \
-        for (int g = 0; g < x.groups; g++) {                                                   \
-            if (is_k(type) && g % 8 == 0) {                                                    \
-                for (int h = 0; h < 2; h++) {                                                  \
-                    d[h] = _mm256_loadu_ps((const float *)block + 8 * h);                      \
-                    if (has_min_k(type))                                                       \
-                        dmin[h] = _mm256_loadu_ps((const float *)block + 16 + 8 * h);          \
-                }                                                                              \
-                block += header_bytes(type);                                                   \
-            }                                                                                  \
-            for (int l = 0; l < group_bytes(type); l += 64)                                    \
-                _mm_prefetch((const char *)block + PREFETCH_GROUPS * group_bytes(type) + l,    \
-                             _MM_HINT_T0);                                                     \
-            for (int h = 0; h < 2; h++) {                                                      \
-                __m256i c[8], ch[8];                                                           \
-                half_codes(hb, block, h, c, ch);                                               \
-                __m256 ws0, ws1, z0, z1;                                                       \
-                group_params(type, block + 256 + 64 * hb, h, d[h], dmin[h], &ws0, &ws1, &z0,   \
-                             &z1);                                                             \
-                for (int r = 0; r < NR; r++) {                                                 \
-                    int row = r0 + r;                                                          \
-                    const int32_t *qa = (const int32_t *)(x.q + (size_t)row * x.k + g * GROUP); \
-                    __m256i lo, hi;                                                            \
-                    row_dots(type, c, ch, qa, &lo, &hi);                                         \
-                    size_t at = (size_t)row * x.groups + g;                                    \
-                    __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws0);                  \
-                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), ws1, part);                 \
-                    acc[r][h] = _mm256_fmadd_ps(part, _mm256_set1_ps(x.a[at]), acc[r][h]);     \
-                    acc[r][h] = _mm256_fmadd_ps(z0, _mm256_set1_ps(x.b0[at]), acc[r][h]);      \
-                    acc[r][h] = _mm256_fmadd_ps(z1, _mm256_set1_ps(x.b1[at]), acc[r][h]);      \
-                }                                                                              \
-            }                                                                                  \
-            block += group_bytes(type);                                                        \
+        switch (type) {                                                                        \
+            TILE_CASE(NR, Q4_0) TILE_CASE(NR, Q4_1) TILE_CASE(NR, Q5_0) TILE_CASE(NR, Q5_1)     \
+            TILE_CASE(NR, Q8_0) TILE_CASE(NR, Q4K) TILE_CASE(NR, Q5K) TILE_CASE(NR, Q6K)        \
         }                                                                                      \
-        for (int r = 0; r < NR; r++)                                                           \
-            for (int h = 0; h < 2; h++) {                                                      \
-                __m256 v = acc[r][h];                                                          \
-                if (bias)                                                                      \
-                    v = _mm256_add_ps(v, _mm256_loadu_ps(bias + t * TILE + 8 * h));            \
-                _mm256_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE + 8 * h, v);            \
-            }                                                                                  \
     }
 #endif
 TILE_ROWS(1)

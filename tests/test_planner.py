@@ -483,3 +483,28 @@ def test_models_why_prints_the_pairs_memory_rows_and_its_unverified_sources(tmp_
     assert dspark["unverified"] == ["deepseek-ai/dspark_qwen3_4b_block7: id and files from "
                                     "DeepSpec's README, not checked on the hub"]
     assert dspark["fit"]["verify_rows"] == 8
+
+
+QWEN36_27B_TEXT = {  # the 27B qwen3_5 text config as public sources quote it
+    "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24,
+    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
+    "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
+def test_a_catalogue_hybrid_reads_as_its_config_json_would(catalogue):
+    config = {**QWEN36_27B_TEXT, "layer_types": QWEN36_27B_TEXT["layer_types"] * 16}
+    from_config = target_info.arch_from_config({"model_type": "qwen3_5", "text_config": config})
+    assert catalogue.models["qwen3.6-27b"].arch == from_config
+    assert from_config.kv_layers == 16 and len(from_config.stream.layers) == 48
+
+
+def test_models_counts_a_hybrid_pairs_state_slots_as_the_planner_does(catalogue):
+    pair = catalogue.pairs["qwen3.6-27b+mtp"]
+    chosen = planner.plan(pair.id, memory=200 * GB, context=8192, catalogue=catalogue)
+    listed = sizing.pair_fit(pair, "torch", "cpu", 200 * GB, 8192)
+    assert chosen.choice.kind == "mtp" and chosen.choice.k == pair.k
+    assert listed.slot_bytes == chosen.fit.slot_bytes > 0
+    assert listed.streams_spec == chosen.fit.streams_spec < listed.streams_plain

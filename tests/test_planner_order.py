@@ -33,6 +33,7 @@ ON_CPU = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
                             "lookahead"]),
     "mimo-7b+mtp": ("mtp", [], ["ngram", "lookahead"]),
+    "qwen3.6-27b+mtp": ("mtp", [], ["ngram", "lookahead"]),
     "vicuna-7b+medusa": ("ngram", [("medusa medusa-vicuna-7b", PICKLE)], ["lookahead"]),
 }
 # pairs with the same target plan the same: the plan is the target's, not the pair's
@@ -63,6 +64,7 @@ ON_CUDA = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
                             "lookahead", "ngram"]),
     "mimo-7b+mtp": ("mtp", [], ["lookahead", "ngram"]),
+    "qwen3.6-27b+mtp": ("mtp", [], ["lookahead", "ngram"]),
     "vicuna-7b+medusa": ("lookahead", [("medusa medusa-vicuna-7b", PICKLE)], ["ngram"]),
 }
 ON_CUDA["llama3.1-8b+eagle3"] = ON_CUDA["llama3.1-8b+dflash"] = \

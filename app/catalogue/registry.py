@@ -26,7 +26,7 @@ import yaml
 
 from app import drafters
 from app.catalogue.shipped import shipped_path
-from app.catalogue.states import StreamState
+from app.catalogue.states import StreamState, stream_state
 from app.core.types import SpecdeckError
 from app.paths import home
 
@@ -370,7 +370,10 @@ def _model(f: _Fields, model_id: str) -> ModelSpec:
     arch = Arch(layers=a.count("layers"), hidden=a.count("hidden"), heads=a.count("heads"),
                 kv_heads=a.count("kv_heads"), head_dim=a.count("head_dim"),
                 vocab=a.count("vocab"), context=a.count("context"),
-                mtp_layers=a.count("mtp_layers", minimum=0, required=False) or 0)
+                mtp_layers=a.count("mtp_layers", minimum=0, required=False) or 0,
+                kv_layers=a.count("kv_layers", required=False) or 0,
+                stream=_linear_layers(a.child("linear", f"model {model_id} arch linear",
+                                              required=False)))
     a.done()
     s = f.child("sources", f"model {model_id} sources")
     sources = {}
@@ -388,6 +391,22 @@ def _model(f: _Fields, model_id: str) -> ModelSpec:
                      sources=sources)
     f.done()
     return spec
+
+
+# a hybrid's Gated DeltaNet layers, by the config.json names states.py reads
+_LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def _linear_layers(f: _Fields | None) -> StreamState:
+    """arch.linear: {layers, and the config's linear_* fields}: the recurrent state per stream
+    the planner counts (and its slots), as a downloaded config.json would give it."""
+    if f is None:
+        return StreamState(())
+    layers = f.count("layers")
+    config = {name: f.count(name) for name in _LINEAR_FIELDS}
+    f.done()
+    return stream_state({"layer_types": ["linear_attention"] * layers, **config})
 
 
 def _source(entry: Any, parent: _Fields, where: str, line: int) -> Source:

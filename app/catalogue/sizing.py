@@ -250,8 +250,11 @@ def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: in
     drafter = drafter_sizing(pair.drafter_kind, pair.drafter, pair.target.arch, backend, dtype)
     verify = verify_state(pair.drafter_kind, pair.k, pair.target.arch,
                           pair.drafter.arch if pair.drafter else None, dtype)
+    # a hybrid target's k + 1 state slots per stream, as the planner's fit counts them
+    slots = pair.target.arch.stream.slot_bytes(pair.k, _kv_bytes(dtype)) \
+        if pair.drafter_kind != "none" else 0
     return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
-               backend, device, dtype, verify)
+               backend, device, dtype, verify, slots)
 
 
 def _gb(n: int) -> str:

@@ -1,11 +1,14 @@
 """The history workload over HTTP: specdeck with its history against specdeck plain, in order.
 
 Usage: history_replay.py HISTORY_URL PLAIN_URL OUT.json [--max-tokens N] [--repeats N]
-                         [--engine NAME=URL ...]
+                         [--no-history-url URL] [--engine NAME=URL ...]
 
 HISTORY_URL is a `specdeck serve` with history on (its own SPECDECK_HISTORY), asked with its
 defaults; PLAIN_URL a second one started with --no-history, asked with `"drafter": "none"`
-(plain) and with its defaults (today's speculation, without history). The records of
+(plain) and with its defaults (today's speculation, without history). --no-history-url sends
+the latter to a third server (also --no-history): a server asked the same messages twice in a
+row finds the prompt cached the second time, which shortens that request's wall time, so
+every configuration needs its own server for the times to compare. The records of
 assets/prompts/history.jsonl are replayed in their order,
 as a user would send them, so the history warms as in use: a second turn goes with the
 model's own first reply as the assistant message. Each request goes to both servers in turn
@@ -43,7 +46,7 @@ def ask(client: httpx.Client, base: str, messages: list[dict], max_tokens: int,
 
 
 def replay(history: str, plain: str, max_tokens: int, repeats: int,
-           engines: dict[str, str] | None = None) -> list[dict]:
+           engines: dict[str, str] | None = None, no_history: str | None = None) -> list[dict]:
     records = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
     rows, flip = [], False
     with httpx.Client() as client:
@@ -53,7 +56,7 @@ def replay(history: str, plain: str, max_tokens: int, repeats: int,
                 for turn, text in enumerate(record["turns"]):
                     messages.append({"role": "user", "content": text})
                     order = [("history", history, None), ("plain", plain, "none"),
-                             ("no_history", plain, None),
+                             ("no_history", no_history or plain, None),
                              *((name, url, None) for name, url in (engines or {}).items())]
                     got = {}
                     for name, base, drafter in (order[::-1] if flip else order):
@@ -100,11 +103,14 @@ def main() -> None:
     parser.add_argument("out", help="JSON file for the rows and medians")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the workload")
+    parser.add_argument("--no-history-url", help="a third specdeck serve --no-history for "
+                        "its defaults, so no request finds its prompt cached by the one before")
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=URL",
                         help="another server in the rotation, asked with its defaults")
     args = parser.parse_args()
     engines = dict(item.split("=", 1) for item in args.engine)
-    rows = replay(args.history, args.plain, args.max_tokens, args.repeats, engines)
+    rows = replay(args.history, args.plain, args.max_tokens, args.repeats, engines,
+                  args.no_history_url)
     summary = summarise(rows)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))

@@ -379,7 +379,7 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
             _mm512_storeu_ps(out + (size_t)(r0 + r) * n + t * TILE, v);                        \
         }                                                                                      \
     }
-#else /* AVX2: the same integers and float steps per lane, in two 8-row halves of a tile */
+#else /* AVX2: the same integers per lane as vpdpbusd, in two 8-row halves of a tile */
 
 /* dpbusd's sums of 4 u8 x s8 products per lane: maddubs' s16 pairs summed before madd widens
  * them. Exact while no s16 sum passes 32767: eight

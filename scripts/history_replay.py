@@ -11,9 +11,9 @@ row finds the prompt cached the second time, which shortens that request's wall 
 every configuration needs its own server for the times to compare. The records of
 assets/prompts/history.jsonl are replayed in their order,
 as a user would send them, so the history warms as in use: a second turn goes with the
-model's own first reply as the assistant message. Each request goes to both servers in turn
+model's own first reply as the assistant message. Each request goes to every configuration in turn
 (the order alternating), greedy; speed is completion tokens over the request's wall time, and
-the two replies must be the same text. --engine NAME=URL adds another server asked with its
+specdeck's replies must be the same text. --engine NAME=URL adds another server asked with its
 own defaults in the same rotation (llama-server plain, `--spec-type ngram-mod`, `ngram-cache`);
 its replies are compared with its own first engine's (other kernels than specdeck's).
 """

@@ -489,14 +489,14 @@ QWEN36_27B_TEXT = {  # the 27B qwen3_5 text config as public sources quote it
     "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24,
     "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
     "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
     "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 
 
 def test_a_catalogue_hybrid_reads_as_its_config_json_would(catalogue):
-    config = {**QWEN36_27B_TEXT, "layer_types": QWEN36_27B_TEXT["layer_types"] * 16}
-    from_config = target_info.arch_from_config({"model_type": "qwen3_5", "text_config": config})
+    from_config = target_info.arch_from_config({"model_type": "qwen3_5",
+                                                "text_config": QWEN36_27B_TEXT})
     assert catalogue.models["qwen3.6-27b"].arch == from_config
     assert from_config.kv_layers == 16 and len(from_config.stream.layers) == 48
 

@@ -39,6 +39,7 @@ from app.catalogue.sizing import (
     fit,
     kv_bytes_per_token,
     model_sizing,
+    state_slots,
     verify_state,
     weights_bytes,
 )
@@ -203,8 +204,7 @@ class _Context:
                                  self.dtype)
         verify = verify_state(option.kind, option.k, self.info.arch,
                               option.model.arch if option.model else None, self.dtype)
-        slots = self.info.arch.stream.slot_bytes(option.k, _kv_bytes(self.dtype)) \
-            if option.kind != "none" else 0
+        slots = state_slots(option.kind, option.k, self.info.arch, self.dtype)
         return fit(self.target_sizing(), drafter, self.memory, self.context, self.backend,
                    self.device, self.dtype, verify, slots)
 

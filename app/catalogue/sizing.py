@@ -199,6 +199,12 @@ def verify_state(kind: str, k: int, target_arch: Arch, drafter_arch: Arch | None
     return rows, rows * per_row
 
 
+def state_slots(kind: str, k: int, target_arch: Arch, dtype: str) -> int:
+    """What a verify of k drafts adds to a hybrid target's state per stream: k + 1 slots (0
+    for an attention-only target, or plain decoding)."""
+    return target_arch.stream.slot_bytes(k, _kv_bytes(dtype)) if kind != "none" else 0
+
+
 def source_format(model: ModelSpec, backend: str) -> str | None:
     sources = model.sources_for(backend)
     return sources[0].format if sources else None
@@ -250,11 +256,9 @@ def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: in
     drafter = drafter_sizing(pair.drafter_kind, pair.drafter, pair.target.arch, backend, dtype)
     verify = verify_state(pair.drafter_kind, pair.k, pair.target.arch,
                           pair.drafter.arch if pair.drafter else None, dtype)
-    # a hybrid target's k + 1 state slots per stream, as the planner's fit counts them
-    slots = pair.target.arch.stream.slot_bytes(pair.k, _kv_bytes(dtype)) \
-        if pair.drafter_kind != "none" else 0
     return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
-               backend, device, dtype, verify, slots)
+               backend, device, dtype, verify,
+               state_slots(pair.drafter_kind, pair.k, pair.target.arch, dtype))
 
 
 def _gb(n: int) -> str:

@@ -382,9 +382,8 @@ static inline void group_params(int type, const uint8_t *params, __m512 d, __m51
 #else /* AVX2: the same integers per lane as vpdpbusd, in two 8-row halves of a tile */
 
 /* dpbusd's sums of 4 u8 x s8 products per lane: maddubs' s16 pairs summed before madd widens
- * them. Exact while no s16 sum passes 32767: eight
- * pairs of codes below 16 (8 * 2 * 15 * 127), four below 32, two below 64 (Q6_K's); Q8_0's
- * 8-bit codes go through as two nibbles. */
+ * them. Exact while no s16 sum passes 32767: eight pairs of codes below 16 (8 * 2 * 15 * 127),
+ * four below 32, two below 64 (Q6_K's); Q8_0's 8-bit codes go through as two nibbles. */
 static inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 
 static inline __m256i pairs(const __m256i *c, const int32_t *qa, int j) {
@@ -400,7 +399,7 @@ static inline __m256i dots_below16(const __m256i *c, const int32_t *qa) {
     return widen(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)));
 }
 
-/* 4 vectors of codes below 32 (chunk 4) or below 64 (chunk 2) */
+/* 4 vectors of codes below 32 (widened once) or below 64 (widened in two pairs) */
 static inline __m256i dots4(const __m256i *c, const int32_t *qa, int below64) {
     __m256i s01 = _mm256_add_epi16(pairs(c, qa, 0), pairs(c, qa, 1));
     __m256i s23 = _mm256_add_epi16(pairs(c, qa, 2), pairs(c, qa, 3));

@@ -508,3 +508,26 @@ def test_models_counts_a_hybrid_pairs_state_slots_as_the_planner_does(catalogue)
     assert chosen.choice.kind == "mtp" and chosen.choice.k == pair.k
     assert listed.slot_bytes == chosen.fit.slot_bytes > 0
     assert listed.streams_spec == chosen.fit.streams_spec < listed.streams_plain
+
+
+def test_a_gemma_assistant_pair_keeps_no_drafter_kv_cache(catalogue):
+    # the assistant's four layers read the target's keys and values
+    listed = sizing.pair_fit(catalogue.pairs["gemma-4-31b+assistant"], "torch", "cpu", 400 * GB,
+                             4096)
+    assert listed.drafter_kv_per_token == 0 and listed.drafter_weights_bytes > 0
+
+
+def test_gemma_4_and_gpt_oss_configs_read_as_the_catalogue_has_them(catalogue):
+    # E4B's last 18 layers reuse earlier layers' keys and values: 24 keep their own
+    e4b = {"model_type": "gemma4", "text_config": {
+        "hidden_size": 2560, "num_hidden_layers": 42, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 262144,
+        "max_position_embeddings": 131072, "num_kv_shared_layers": 18,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}}
+    assert target_info.arch_from_config(e4b) == catalogue.models["gemma-4-e4b"].arch
+    gpt_oss = {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
+               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+               "vocab_size": 201088, "max_position_embeddings": 131072,
+               "num_local_experts": 32, "intermediate_size": 2880,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+    assert target_info.arch_from_config(gpt_oss) == catalogue.models["gpt-oss-20b"].arch

@@ -12,6 +12,7 @@ PLENTY = 10**12  # every drafter fits: the order alone decides
 LARGE = "too large to pay off: 49% of the target's parameters"
 PICKLE = ("medusa-vicuna-7b ships only a pickle checkpoint, which specdeck never loads "
           "(safetensors only)")
+LARGE_27B = "too large to pay off: 77% of the target's parameters"  # 27B under the 35B-A3B
 
 # pair: (choice, [(refused, reason)], [passed over, best first]); torch on a CPU
 ON_CPU = {
@@ -33,7 +34,14 @@ ON_CPU = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct", "ngram",
                             "lookahead"]),
     "mimo-7b+mtp": ("mtp", [], ["ngram", "lookahead"]),
-    "qwen3.6-27b+mtp": ("mtp", [], ["ngram", "lookahead"]),
+    "qwen3.6-27b+mtp": ("mtp", [], ["draft qwen3.5-4b", "ngram", "lookahead"]),
+    "qwen3.6-35b-a3b+mtp": ("mtp", [("draft qwen3.6-27b", LARGE_27B)],
+                            ["draft qwen3.5-4b", "ngram", "lookahead"]),
+    "qwen3.5-4b+dflash": ("dflash dflash-qwen3.5-4b", [], ["ngram", "lookahead"]),
+    # the planner does not rank Gemma 4's assistant: its pairs' targets plan without it
+    "gemma-4-e4b+assistant": ("ngram", [], ["lookahead"]),
+    "gemma-4-31b+assistant": ("draft gemma-4-e4b", [], ["ngram", "lookahead"]),
+    "gpt-oss-20b+ngram": ("ngram", [], ["lookahead"]),
     "vicuna-7b+medusa": ("ngram", [("medusa medusa-vicuna-7b", PICKLE)], ["lookahead"]),
 }
 # pairs with the same target plan the same: the plan is the target's, not the pair's
@@ -64,7 +72,13 @@ ON_CUDA = {
                            ["eagle3 eagle3-llama3.1-8b", "draft llama3.2-1b-instruct",
                             "lookahead", "ngram"]),
     "mimo-7b+mtp": ("mtp", [], ["lookahead", "ngram"]),
-    "qwen3.6-27b+mtp": ("mtp", [], ["lookahead", "ngram"]),
+    "qwen3.6-27b+mtp": ("mtp", [], ["draft qwen3.5-4b", "lookahead", "ngram"]),
+    "qwen3.6-35b-a3b+mtp": ("mtp", [("draft qwen3.6-27b", LARGE_27B)],
+                            ["draft qwen3.5-4b", "lookahead", "ngram"]),
+    "qwen3.5-4b+dflash": ("dflash dflash-qwen3.5-4b", [], ["lookahead", "ngram"]),
+    "gemma-4-e4b+assistant": ("lookahead", [], ["ngram"]),
+    "gemma-4-31b+assistant": ("draft gemma-4-e4b", [], ["lookahead", "ngram"]),
+    "gpt-oss-20b+ngram": ("lookahead", [], ["ngram"]),
     "vicuna-7b+medusa": ("lookahead", [("medusa medusa-vicuna-7b", PICKLE)], ["ngram"]),
 }
 ON_CUDA["llama3.1-8b+eagle3"] = ON_CUDA["llama3.1-8b+dflash"] = \

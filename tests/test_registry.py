@@ -176,6 +176,8 @@ def test_the_minimal_valid_catalogue_loads(tmp_path):
      "field 'format' must be one of"),
     ("  b:\n", "  a:\n", "  a:\n    name: B", "duplicate key 'a'"),
     ("default_pair: a+b", "default_pair: c+d", "default_pair", "not one of the pairs"),
+    ("context: 64}", "context: 64, experts: 4}", "    arch:",
+     "gives both 'experts' and 'expert_ffn'"),
 ])
 def test_a_broken_entry_is_refused_with_its_line(tmp_path, old, new, line_of, message):
     assert old in VALID
@@ -222,3 +224,77 @@ def test_the_shipped_dspark_pairs_name_deepseeks_ids_marked_unverified(shipped):
             assert source.repo == f"deepseek-ai/dspark_qwen3_{size}_block7"
             assert "not checked on the hub" in source.unverified
     assert shipped.pair("qwen3-4b+dflash").unverified("torch") == ()
+
+
+def test_an_mxfp4_source_on_a_model_without_experts_is_refused(tmp_path):
+    # sized from the expert weights: without them the format cannot be sized, so it is refused
+    text = VALID.replace("format: safetensors-bf16", "format: safetensors-mxfp4")
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecdeckError, match="format safetensors-mxfp4 quantizes a MoE's expert "
+                                            "weights: the arch must give 'experts'"):
+        load_catalogue(path)
+
+
+# ---- issue 45's models: counted by transformers, sized from the architecture ---------------
+
+NEW_PAIRS = ("qwen3.6-35b-a3b+mtp", "qwen3.5-4b+dflash", "gemma-4-e4b+assistant",
+             "gemma-4-31b+assistant", "gpt-oss-20b+ngram")
+
+
+def _catalogue_params():
+    """scripts/catalogue_params.py, the command whose counts models.yaml's params record."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "catalogue_params.py"
+    spec = importlib.util.spec_from_file_location("catalogue_params", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def counted():
+    pytest.importorskip("transformers")
+    module = _catalogue_params()
+    return {model_id: count() for model_id, count in module.COUNTS.items()}
+
+
+def test_every_new_models_params_are_the_count_transformers_gives(shipped, counted):
+    # exact: params are counted on the meta device (plus the MTP layer transformers drops, a
+    # DFlash drafter's own layers), never typed in; 35B-A3B's text model and MTP layer each
+    # equal a public header count of its checkpoint (34,660,610,688 and 844,640,768)
+    assert {m: shipped.model(m).params for m in counted} == \
+        {m: c["params"] for m, c in counted.items()}
+    assert counted["qwen3.6-35b-a3b"]["text"] == 34_660_610_688
+    assert counted["qwen3.6-35b-a3b"]["mtp"] == 844_640_768
+
+
+def test_gpt_oss_mxfp4_download_is_its_expert_weights_at_4_25_bits_and_the_rest_bf16(shipped,
+                                                                                      counted):
+    model = shipped.model("gpt-oss-20b")
+    experts = counted["gpt-oss-20b"]["expert_weights"]
+    assert model.arch.expert_weights == experts == 24 * 32 * 3 * 2880 * 2880
+    expected = experts * 17 // 32 + (model.params - experts) * 2  # 16 + 1 bytes per 32 values
+    assert expected == 13_761_264_768
+    for backend in ("torch", "mlx"):
+        assert model.download_bytes(backend) == (expected, False)
+    # all bf16 would be 41.8 GB: the split is what brings it to 13.8
+    assert model.params * 2 > 3 * expected
+
+
+@pytest.mark.parametrize("pair_id", NEW_PAIRS)
+def test_each_new_pair_marks_every_source_unverified_and_claims_no_speed(shipped, pair_id):
+    pair = shipped.pair(pair_id)
+    for backend in pair.backends:
+        notes = pair.unverified(backend)
+        assert len(notes) == len(pair.models) and all("not checked" in n for n in notes)
+    assert pair.k == {"mtp": pair.target.arch.mtp_layers, "dflash": 15}.get(pair.drafter_kind, 4)
+
+
+def test_the_hybrid_entries_give_their_attention_and_gated_deltanet_layers(shipped):
+    for model_id, (kv, linear) in {"qwen3.6-35b-a3b": (10, 30), "qwen3.5-4b": (8, 24)}.items():
+        arch = shipped.model(model_id).arch
+        assert (arch.kv_layers, len(arch.stream.layers)) == (kv, linear)
+        assert kv + linear == arch.layers

@@ -37,7 +37,13 @@ KINDS = tuple(k for k in drafters.KINDS if k != "none")  # the factory lists the
 MODEL_KINDS = drafters.OWN_MODEL
 # bits per parameter on disk, to estimate a download whose exact size is not listed
 FORMAT_BITS = {"safetensors-bf16": 16.0, "safetensors-fp16": 16.0, "pytorch-fp16": 16.0,
-               "gguf-q4_k_m": 5.8, "gguf-q4_1": 5.9, "mlx-4bit": 4.5}
+               "gguf-q4_k_m": 5.8, "gguf-q4_1": 5.9, "mlx-4bit": 4.5,
+               "safetensors-mxfp4": 4.25}
+# formats whose FORMAT_BITS hold for a MoE's expert weights only, with the bits of the rest:
+# MXFP4 (gpt-oss's quantization_config) stores each expert matrix as 32 4-bit values per one
+# shared 8-bit scale (16 + 1 bytes per 32 = 4.25 bits); its modules_to_not_convert (attention,
+# router, embeddings, lm_head) and every bias stay bf16
+EXPERT_ONLY_BITS = {"safetensors-mxfp4": 16.0}
 _ID = re.compile(r"^[a-z0-9][a-z0-9._+-]*$")
 _PACKAGE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 _REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -58,6 +64,14 @@ class Arch:
     mtp_layers: int = 0  # native multi-token-prediction layers (num_nextn_predict_layers)
     kv_layers: int = 0  # the layers that keep KV (a hybrid's attention layers); 0: all
     stream: StreamState = StreamState(())  # a hybrid's recurrent layers, per stream
+    experts: int = 0  # a MoE's routed experts per layer (num_experts / num_local_experts)
+    expert_ffn: int = 0  # each expert's intermediate size (moe_intermediate_size)
+
+    @property
+    def expert_weights(self) -> int:
+        """The routed experts' gate, up and down matrices across the layers: what a format of
+        EXPERT_ONLY_BITS quantizes (their biases and a shared expert are not counted)."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_ffn
 
 
 @dataclass(frozen=True)
@@ -138,9 +152,17 @@ class ModelSpec:
                     return source.size, True
                 # a listed size of the same format elsewhere beats an estimate from params
                 sized = [s.size for s in sources if s.format == source.format and s.size]
-                estimate = int(self.params * FORMAT_BITS[source.format] / 8)
-                return (sized[0] if sized else estimate), False
+                return (sized[0] if sized else self.estimated_bytes(source.format)), False
         return 0, False
+
+    def estimated_bytes(self, fmt: str) -> int:
+        """The bytes of this model in fmt, from its parameters: params x bits, or for a format
+        that quantizes expert weights only, those at its bits and the rest at the rest's."""
+        if fmt not in EXPERT_ONLY_BITS:
+            return int(self.params * FORMAT_BITS[fmt] / 8)
+        experts = self.arch.expert_weights
+        return int(experts * FORMAT_BITS[fmt] / 8
+                   + (self.params - experts) * EXPERT_ONLY_BITS[fmt] / 8)
 
 
 @dataclass(frozen=True)
@@ -373,7 +395,11 @@ def _model(f: _Fields, model_id: str) -> ModelSpec:
                 mtp_layers=a.count("mtp_layers", minimum=0, required=False) or 0,
                 kv_layers=a.count("kv_layers", required=False) or 0,
                 stream=_linear_layers(a.child("linear", f"model {model_id} arch linear",
-                                              required=False)))
+                                              required=False)),
+                experts=a.count("experts", required=False) or 0,
+                expert_ffn=a.count("expert_ffn", required=False) or 0)
+    if bool(arch.experts) != bool(arch.expert_ffn):
+        raise a.error("a MoE's arch gives both 'experts' and 'expert_ffn' (or neither)")
     a.done()
     s = f.child("sources", f"model {model_id} sources")
     sources = {}
@@ -386,11 +412,22 @@ def _model(f: _Fields, model_id: str) -> ModelSpec:
         where = f"model {model_id} sources.{backend}"
         sources[backend] = tuple(_source(e, f, where, s.line_of(backend)) for e in entries)
     s.done()
+    _expert_formats(s, sources, arch)
     spec = ModelSpec(id=model_id, name=f.text("name"), family=f.text("family", _ID),
                      license=f.text("license"), params=f.count("params"), arch=arch,
                      sources=sources)
     f.done()
     return spec
+
+
+def _expert_formats(s: _Fields, sources: Mapping[str, tuple[Source, ...]], arch: Arch) -> None:
+    """A format that quantizes expert weights only is sized from them: refuse it on a model
+    whose arch names no experts, rather than size it as if all were bf16."""
+    for backend, listed in sources.items():
+        for source in listed:
+            if source.format in EXPERT_ONLY_BITS and not arch.experts:
+                raise s.error(f"format {source.format} quantizes a MoE's expert weights: the "
+                              "arch must give 'experts' and 'expert_ffn'", backend)
 
 
 # a hybrid's Gated DeltaNet layers, by the config.json names states.py reads

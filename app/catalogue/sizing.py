@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.catalogue.hardware import dtype_for, resolve_device
-from app.catalogue.preference import PER_DRAFTER_LAYER, RANKS, SHIPPED
+from app.catalogue.preference import NO_KV_CACHE, PER_DRAFTER_LAYER, RANKS, SHIPPED
 from app.catalogue.registry import FORMAT_BITS, Arch, ModelSpec, PairSpec
 from app.catalogue.target_info import TargetInfo
 from app.core.types import SpecdeckError
@@ -238,14 +238,15 @@ def model_sizing(model: ModelSpec, backend: str, dtype: str, draft: bool = False
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
                    dtype: str) -> Sizing | None:
     """MTP layers live in the target's weights but keep their own KV cache; Medusa's heads
-    keep none (each is an MLP on the target's last hidden state)."""
+    keep none (each is an MLP on the target's last hidden state), nor does Gemma 4's assistant
+    (it reads the target's)."""
     if kind == "mtp":
         return Sizing(0, kv_bytes_per_token(target_arch, _kv_bytes(dtype),
                                             target_arch.mtp_layers), target_arch.context)
     if model is None:
         return None
     sizing = model_sizing(model, backend, dtype, draft=kind == "draft")
-    if kind in RANKS and not RANKS[kind].kv_cache:
+    if kind in NO_KV_CACHE:
         return Sizing(sizing.weights_bytes, 0, sizing.context_limit)
     return sizing
 

@@ -85,13 +85,23 @@ def arch_from_config(config: dict[str, Any]) -> Arch:
                 vocab=int(c["vocab_size"]),
                 context=int(c.get("max_position_embeddings") or 4096),
                 mtp_layers=mtp_layers(config), kv_layers=_kv_layers(c),
-                stream=stream_state(config))
+                stream=stream_state(config), **_experts(c))
 
 
 def _kv_layers(c: dict[str, Any]) -> int:
-    """The layers that keep KV where layer types are listed (0: every layer does)."""
+    """The layers that keep KV where layer types are listed (0: every layer does); Gemma 4's
+    last num_kv_shared_layers reuse an earlier layer's keys and values, so keep none."""
     types = c.get("layer_types") or c.get("layers_block_type") or []
-    return sum(t in ("full_attention", "sliding_attention", "attention") for t in types)
+    attention = sum(t in ("full_attention", "sliding_attention", "attention") for t in types)
+    return attention - int(c.get("num_kv_shared_layers") or 0) if attention else 0
+
+
+def _experts(c: dict[str, Any]) -> dict[str, int]:
+    """A MoE's routed experts and their intermediate size (gpt-oss names it intermediate_size,
+    Qwen's MoEs moe_intermediate_size); none for a dense model."""
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0)
+    ffn = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+    return {"experts": experts, "expert_ffn": ffn if experts else 0}
 
 
 def _local_numbers(path: Path) -> tuple[Arch, int]:

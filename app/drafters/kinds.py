@@ -109,10 +109,12 @@ TABLE = (
          "hidden states", downloads=True, rank=2, source=SHIPPED,
          why="a block drafter shipped for the target: one forward drafts a block, and its "
          "confidence head says where to cut it", captures=PER_DRAFTER_LAYER),
-    # the planner never picks it on its own (no catalogue pair ships one yet): a given folder
-    # is recognised from its config (app/pair.py's folder_head_kind)
+    # the planner never picks it on its own (rank 0: nothing measured ranks it yet), though
+    # catalogue pairs ship it; a given folder is recognised from its config (app/pair.py's
+    # folder_head_kind). Every assistant layer reads the target's keys and values
+    # (num_kv_shared_layers is all of them): no KV cache of its own
     Kind("assistant", HEAD, "Gemma 4's assistant: a small drafter reading the target's keys "
-         "and values (gemma4_assistant)", downloads=True, captures=3),
+         "and values (gemma4_assistant)", downloads=True, captures=3, kv_cache=False),
     Kind("lookahead", NOTHING, "lookahead decoding (Jacobi window and n-gram pool, a tree)",
          trees=ALWAYS, rank=8, source=FREE, why="its tree costs many verify rows per step",
          kv_cache=False),

@@ -91,7 +91,7 @@ def models_table(rows: list[PairStatus], context: int, why: bool = False) -> str
     fit = next((r.fit for r in rows if r.fit), None)
     head = (f"backend {rows[0].backend}" + (f", {fit.device} {fit.dtype}, memory "
             f"{human_bytes(fit.available_bytes)} free" if fit else ""))
-    lines = [head, f"{'PAIR':26} {'STATUS':15} {'DRAFTER':7} {'AUTO':9} {'K':>2} {'BACKENDS':10} "
+    lines = [head, f"{'PAIR':26} {'STATUS':15} {'DRAFTER':9} {'AUTO':9} {'K':>2} {'BACKENDS':10} "
              f"{'DOWNLOAD':>10} {'ON DISK':>9} {'MEMORY':>9}  FIT: max context plain/spec, "
              f"streams of {context} plain/spec"]
     for r in rows:
@@ -100,7 +100,7 @@ def models_table(rows: list[PairStatus], context: int, why: bool = False) -> str
         disk = human_bytes(r.disk_bytes) if r.disk_bytes else "-"
         memory = human_bytes(r.fit.memory_bytes) if r.fit else "-"  # at `context`, speculating
         auto = r.plan.choice.kind if r.plan else "-"
-        lines.append(f"{r.pair.id:26} {status:15} {r.pair.drafter_kind:7} {auto:9} "
+        lines.append(f"{r.pair.id:26} {status:15} {r.pair.drafter_kind:9} {auto:9} "
                      f"{r.pair.k:>2} {','.join(r.pair.backends):10} {size:>10} {disk:>9} "
                      f"{memory:>9}  "
                      f"{r.fit.summary() if r.fit else '-'}")

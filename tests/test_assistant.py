@@ -48,17 +48,23 @@ def gemma4_target(seed: int = 1, vocab: int = VOCAB) -> TorchModel:
     return TorchModel(hf, tiny_tokenizer(vocab), name=f"tiny-gemma4-{seed}", device="cpu")
 
 
-def assistant_folder(root, seed: int = 2, hidden: int = 32, vocab: int = VOCAB):
+def assistant_folder(root, seed: int = 2, hidden: int = 32, vocab: int = VOCAB,
+                     ordered: bool = False):
     """A two-layer assistant (every layer reading the target's keys and values), saved as
-    safetensors; `hidden`: the target hidden size it was built for."""
+    safetensors; `hidden`: the target hidden size it was built for; `ordered`: its logits
+    through ordered embeddings (4 centroids, the top 2 scored), a shuffled vocabulary."""
     torch.manual_seed(seed)
     text = Gemma4TextConfig(**{**_SIZES, "vocab_size": vocab}, num_hidden_layers=2,
                             layer_types=["sliding_attention", "full_attention"])
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=hidden)
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=hidden,
+                                   use_ordered_embeddings=ordered, num_centroids=4,
+                                   centroid_intermediate_top_k=2)
     model = Gemma4AssistantForCausalLM(config)
     with torch.no_grad():  # sharper logits: drafts vary with their inputs
         model.lm_head.weight.mul_(8.0)
-    folder = root / f"assistant-{seed}-{hidden}-{vocab}"
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(vocab))
+    folder = root / f"assistant-{seed}-{hidden}-{vocab}{'-ordered' * ordered}"
     model.save_pretrained(folder)
     return folder
 
@@ -134,9 +140,9 @@ def test_an_assistant_for_another_target_is_refused_naming_the_fix(folder, tmp_p
         assistant_of(gemma4_target(), wider)
 
 
-def test_mlx_refuses_the_assistant_naming_the_torch_backend():
+def test_every_backend_with_hidden_states_runs_the_assistant_but_llama_cpp():
     from app.drafters.kinds import check
     from backends import runs_of
 
-    refusal = check("assistant", runs_of("mlx"), has_head=True)
-    assert refusal is not None and refusal.fix == "use --backend torch"
+    assert check("assistant", runs_of("mlx"), has_head=True) is None  # tests/test_mlx_assistant
+    assert check("assistant", runs_of("llamacpp"), has_head=True) is not None

@@ -9,7 +9,7 @@ from app.core.protocols import Capabilities, Runs
 # kind -> its builder in backends/mlx/builders.py (imported when a drafter is made): every kind
 # torch builds, all over the hidden states its sessions capture
 BUILDERS = {"draft": "draft_model", "eagle3": "eagle", "eagle": "eagle", "medusa": "medusa",
-            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
+            "dflash": "dflash", "dspark": "dspark", "mtp": "mtp", "assistant": "assistant"}
 # its targets verify trees where backends/mlx/tree.py patches their attention (a loaded
 # target's capabilities say)
 RUNS = Runs("mlx", frozenset(BUILDERS),

@@ -18,6 +18,7 @@ mtp = own_layers_builder("backends.mlx.head_weights.mtp", "load_mtp_drafter")
 dflash = head_builder("backends.mlx.head_weights.dflash", "load_dflash_drafter")
 dspark = head_builder("backends.mlx.head_weights.dspark", "load_dspark_drafter")
 medusa = head_builder("backends.mlx.head_weights.medusa", "load_medusa_drafter")
+assistant = head_builder("backends.mlx.head_weights.assistant", "load_assistant_drafter")
 
 
 def eagle(request: DrafterRequest) -> Any:

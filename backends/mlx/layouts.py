@@ -1,7 +1,9 @@
 """Config and weight layouts mlx-lm 0.32 misreads, put in the shape it reads: transformers 5's
-nested rope_parameters and layer_types, the text-only Qwen3.5 layout (model_type
-qwen3_5_text, `model.*` tensors) beside the multimodal one it expects (qwen3_5 with a
-text_config, `model.language_model.*`, `mtp.*` beside them), per-expert MoE tensors.
+nested rope_parameters and layer_types, Gemma 4's per_layer_config (transformers 5.25 writes
+the full layers' head size and key heads there, not as global_head_dim), the text-only
+Qwen3.5 layout (model_type qwen3_5_text, `model.*` tensors) beside the multimodal one it
+expects (qwen3_5 with a text_config, `model.language_model.*`, `mtp.*` beside them),
+per-expert MoE tensors.
 
 Knows: config keys and tensor names of the families mlx-lm loads. Must not know: caches,
 sessions, drafting.
@@ -38,7 +40,7 @@ def _text_fixes(config: dict[str, Any]) -> dict[str, Any]:
     Without them mlx-lm silently falls back to its default rope_theta (10000 for llama,
     where SmolLM2 needs 100000) and produces wrong logits.
     """
-    fixes = _layer_pattern(config)
+    fixes = _layer_pattern(config) | _per_layer_heads(config)
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict) or "rope_theta" in config:
         return fixes
@@ -62,6 +64,23 @@ def _layer_pattern(config: dict[str, Any]) -> dict[str, Any]:
         return {}
     key = "full_attention_interval" if "linear_attention" in types else "sliding_window_pattern"
     return {} if key in config else {key: period}
+
+
+def _per_layer_heads(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's full-attention head size and key heads, which transformers 5.25 writes as
+    per_layer_config overrides (none where they equal the sliding layers'): without them
+    mlx-lm builds its default global_head_dim of 512."""
+    layers = config.get("per_layer_config")
+    if config.get("model_type") != "gemma4_text" or not isinstance(layers, dict) \
+            or "global_head_dim" in config:
+        return {}
+    types = config.get("layer_types") or ()
+    full = next((layers.get(str(i)) or layers.get(i) or {} for i, kind in enumerate(types)
+                 if kind == "full_attention"), {})
+    fixes = {"global_head_dim": full.get("head_dim", config.get("head_dim"))}
+    if "num_key_value_heads" in full and "num_global_key_value_heads" not in config:
+        fixes["num_global_key_value_heads"] = full["num_key_value_heads"]
+    return {k: v for k, v in fixes.items() if v is not None}
 
 
 def model_classes(config: dict[str, Any]) -> tuple[type, type]:

@@ -142,3 +142,36 @@ def test_a_model_whose_prompt_read_cannot_be_repaid_leaves_the_step_plain():
     assert auto.propose([1, 2, 3], cap=2000).tokens  # a long budget repays the read
     model.unread = 0
     assert auto.propose([1, 2, 3], cap=10).tokens  # read already: it drafts
+
+
+class Priced(Scripted):
+    """A member whose drafts price their own depth (the suffix cache's, calibrated)."""
+
+    prices_depth = True
+
+    def __init__(self, survival: tuple[float, ...]) -> None:
+        super().__init__("suffix", available=len(survival))
+        self.survival = survival
+
+    def propose(self, context, k: int) -> Draft:
+        draft = super().propose(context, k)
+        return Draft(draft.tokens, source=self.name, survival=self.survival[:len(draft.tokens)])
+
+
+LINEAR = {n: 0.04 + 0.016 * (n - 1) for n in range(1, 10)}  # a 2-core CPU's verify rows
+
+
+def test_a_member_that_prices_its_depth_drafts_past_the_controllers_k():
+    sure = Priced(tuple(0.99 ** j for j in range(1, 33)))
+    controller = KController(k_max=4, verify_s=dict(LINEAR))
+    draft = AutoK(sure, [controller]).propose([1, 2, 3], cap=100)
+    assert sure.calls == [100], "asked for all it has, not for a k chosen beforehand"
+    assert 8 < len(draft.tokens) < 32, "cut where an extra row costs more than it commits"
+
+
+def test_a_priced_member_whose_survival_does_not_pay_leaves_the_step_to_the_next_member():
+    doubtful, model = Priced((0.3, 0.1, 0.03)), Scripted("draft")
+    controllers = [KController(k_max=4, verify_s=dict(LINEAR)) for _ in range(2)]
+    controllers[1].draft_costs["draft"] = 0.001
+    draft = AutoK(Chain(doubtful, model), controllers).propose([1, 2, 3], cap=100)
+    assert draft.source == "draft"

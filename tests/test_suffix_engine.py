@@ -144,3 +144,28 @@ def test_the_workbench_records_chat_replies_and_one_click_clears_them(target, tm
     assert "1 files removed" in bench.clear_history()
     assert store.stats() == [] and bench.history.tokens(LOCAL) == 0
     assert "off" in Workbench(history=False).history_notice
+
+
+class Offering(SuffixDrafter):
+    """The suffix drafter, keeping what it offered the k controller each time it was asked."""
+
+    offered: list[tuple[int, ...]] = []
+
+    def propose(self, context, k):
+        draft = super().propose(context, k)
+        self.offered.append(draft.tokens)
+        return draft
+
+
+def test_an_exact_repeat_under_k_auto_offers_drafts_deeper_than_the_controllers_k_max(
+        varied, history):
+    # what the controller then verifies depends on measured verify costs: here only the offer
+    engine, drafter = SpecEngine(varied, k_max=8), Offering(history, tree=False)
+    first = greedy(engine, drafter, "auto", n=60, prompt=VARIED)
+    history.record(LOCAL, VARIED, first.token_ids)
+    drafter.offered = []
+    again = greedy(engine, drafter, "auto", n=60, prompt=VARIED)
+    assert again.token_ids == first.token_ids
+    reply = list(first.token_ids)
+    assert any(len(tokens) > 8 and tokens == tuple(reply[i:i + len(tokens)])
+               for tokens in drafter.offered for i in range(len(reply)))

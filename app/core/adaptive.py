@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from app.core.types import Draft
+
 
 @dataclass(frozen=True)
 class Load:
@@ -247,10 +249,26 @@ class KController:
         that the node and every one before it are accepted (DSpark's confidence head): the
         prefix with the most expected tokens per second of verify, its drafting already paid.
         It reads only the draft, never the target, so verification stays exact."""
-        def rate(n: int) -> float:
-            return (1.0 + sum(survival[:n])) / (self.verify_cost(self.rows(n)) + self.overhead_s)
+        return max(range(1, len(survival) + 1), default=0,
+                   key=lambda n: self._survival_rate(survival[:n], n))
 
-        return max(range(1, len(survival) + 1), key=rate, default=0)
+    def depth_for(self, draft: Draft) -> int:
+        """The depth to verify of a draft that prices itself (its survival per node, a tree's
+        too): as cut, the depth with the most expected tokens per second of verify, but 0
+        where none beats a plain step by pay_margin, since no k was chosen before it."""
+        depths = draft.depths()
+
+        def rate(depth: int) -> float:
+            kept = [s for s, d in zip(draft.survival, depths) if d <= depth]
+            return self._survival_rate(kept, len(kept))
+
+        best = max(range(1, max(depths, default=0) + 1), key=rate, default=0)
+        return best if best and rate(best) >= rate(0) * (1 + self.pay_margin) else 0
+
+    def _survival_rate(self, survival: Sequence[float], nodes: int) -> float:
+        """Committed tokens per second of a verify of these nodes, every stream's."""
+        seconds = self.verify_cost(self.load.rows + nodes + 1) + self.overhead_s
+        return (self.load.streams + 1.0 + sum(survival)) / seconds
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
                 other_s: float, source: str = "", rows: int | None = None,

@@ -4,8 +4,11 @@ Knows: token records, an index over them (hashes of every window of RUNGS length
 so a lookup is a binary search whatever the history's size), the request's own tokens, and
 how a match becomes a draft: the continuations of every occurrence of the longest matched
 suffix, weighted by how often each followed (a node's probability is its count over its
-parent's), as deep as the match earns (max_spec_factor × match length, k the upper bound)
-and no deeper than where the estimated probability falls below min_token_prob. A tree
+parent's), as deep as the match earns (max_spec_factor × match length, at most MAX_DEPTH)
+and no deeper than where the estimated probability falls below min_token_prob; each node's
+survival is that probability calibrated by MatchOdds (app/drafters/match_odds.py: how often
+matches of its length were right in this partition's text), which prices the draft's depth
+for the k controller. A tree
 (best-first by probability, siblings most likely first, so its first chain is the greedy
 path) where the target takes trees, that greedy chain otherwise. Draft.source names where
 the match came from: `suffix:request`, `suffix:history` or `suffix:seeded`.
@@ -18,13 +21,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from app.core.protocols import StepFeed
 from app.core.types import Draft, SamplingParams
+from app.drafters.match_odds import MatchOdds, Prediction
 
 SEP = np.uint64(2**32 - 1)  # between records: a window holding it never matches a context
 RUNGS = (2, 4, 8, 16, 32)  # window lengths the index hashes (the shortest history match: 2)
@@ -177,7 +181,9 @@ def _match_lengths(tokens: np.ndarray, ends: np.ndarray, tail: np.ndarray) -> np
 def continuations(match: Match, depth: int, tree: bool, max_nodes: int = TREE_NODES,
                   min_prob: float = MIN_TOKEN_PROB) -> tuple[Draft, float]:
     """The draft a match gives, at most depth deep, and its score (the sum of its nodes'
-    estimated probabilities: SuffixDecoding prefers the higher score between matches)."""
+    estimated probabilities: SuffixDecoding prefers the higher score between matches). Its
+    survival holds those probabilities, per node: how often the node's path followed the
+    match, uncalibrated."""
     if depth <= 0:
         return Draft(), 0.0
     at = match.starts[:, None] + np.arange(depth)[None, :]
@@ -194,15 +200,16 @@ def _chain(table: np.ndarray, rows: np.ndarray, depth: int, min_prob: float
            ) -> tuple[Draft, float]:
     """The most likely child of each node in turn, while its probability holds."""
     tokens: list[int] = []
-    prob, score = 1.0, 0.0
+    probs: list[float] = []
+    prob = 1.0
     for level in range(depth):
         kids = _children(table, rows, level, prob, min_prob)
         if not kids:
             break
         prob, token, rows = kids[0]
         tokens.append(token)
-        score += prob
-    return Draft(tokens=tuple(tokens)), score
+        probs.append(prob)
+    return Draft(tokens=tuple(tokens), survival=tuple(probs)), sum(probs)
 
 
 def _tree(table: np.ndarray, rows: np.ndarray, depth: int, max_nodes: int, min_prob: float
@@ -211,7 +218,7 @@ def _tree(table: np.ndarray, rows: np.ndarray, depth: int, max_nodes: int, min_p
     come first, and a node's likeliest child is its first."""
     tokens: list[int] = []
     parents: list[int] = []
-    score = 0.0
+    probs: list[float] = []
     heap: list[tuple[float, int, int, int, int, np.ndarray]] = []
     for prob, token, kid_rows in _children(table, rows, 0, 1.0, min_prob):
         heap.append((-prob, len(heap), -1, 0, token, kid_rows))
@@ -222,13 +229,14 @@ def _tree(table: np.ndarray, rows: np.ndarray, depth: int, max_nodes: int, min_p
         node = len(tokens)
         tokens.append(token)
         parents.append(parent)
-        score -= neg
+        probs.append(-neg)
         if level + 1 >= depth:
             continue
         for prob, child, kid_rows in _children(table, node_rows, level + 1, -neg, min_prob):
             heapq.heappush(heap, (-prob, serial, node, level + 1, child, kid_rows))
             serial += 1
-    return Draft(tokens=tuple(tokens), parents=tuple(parents)), score
+    return Draft(tokens=tuple(tokens), parents=tuple(parents), survival=tuple(probs)), \
+        sum(probs)
 
 
 def _children(table: np.ndarray, rows: np.ndarray, level: int, prob: float,
@@ -268,62 +276,102 @@ class SuffixDrafter:
     match worth pre-empting the model for); request: match this request too (a member behind
     prompt lookup leaves the request to it: lookup declines a short continuation so that the
     model drafts, and a request match here would pre-empt the model with that same short one).
+    odds: the partitions' MatchOdds, shared by the drafters `bound` makes (None: its own).
+
+    Its drafts carry their survival (MatchOdds calibrating the counts), so under k="auto" it
+    is asked for as deep a draft as the match earns and the k controller cuts it where the
+    verify stops paying (`prices_depth`): on an exact repeat, asked for the controller's k, it
+    drafted 2.3-3.1 tokens a step, every one accepted.
     """
 
     capture_layers: tuple[int, ...] = ()
+    prices_depth = True
 
     def __init__(self, history: HistorySource | None = None, partition: str = "local", *,
                  tree: bool = True, min_match: int = 1, max_nodes: int = TREE_NODES,
                  max_spec_factor: float = MAX_SPEC_FACTOR,
                  min_token_prob: float = MIN_TOKEN_PROB, name: str = "suffix",
-                 request: bool = True) -> None:
+                 request: bool = True, odds: dict[str, MatchOdds] | None = None) -> None:
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1 (got {min_match})")
         self.history, self.partition, self.tree = history, partition, tree
         self.min_match, self.max_nodes = min_match, max_nodes
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
         self.name, self.request = name, request
+        self._odds_by_partition = {} if odds is None else odds
+        self.odds = self._odds_by_partition.setdefault(partition, MatchOdds())
         self._index: SuffixIndex | None = None
-        self._memo: tuple[int, int, list[Match]] | None = None
+        self._memo: tuple[int, int, Draft] | None = None
+        self._pending: Prediction | None = None
 
     def bound(self, partition: str) -> SuffixDrafter:
         """The same drafter for another partition (its own state; the history shared)."""
         return SuffixDrafter(self.history, partition, tree=self.tree, min_match=self.min_match,
                              max_nodes=self.max_nodes, max_spec_factor=self.max_spec_factor,
                              min_token_prob=self.min_token_prob, name=self.name,
-                             request=self.request)
+                             request=self.request, odds=self._odds_by_partition)
 
     def begin(self, prompt_ids: Sequence[int], feed: StepFeed, params: SamplingParams,
               rng: np.random.Generator) -> None:
         # one snapshot of the history per reply: records added meanwhile wait for the next
         self._index = self.history.index(self.partition) if self.history else None
-        self._memo = None
+        self._memo = self._pending = None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        best, best_score = Draft(), 0.0
-        for match in self._matches(context):
-            depth = min(k, MAX_DEPTH, int(match.length * self.max_spec_factor))
-            draft, score = continuations(match, depth, self.tree, self.max_nodes,
-                                         self.min_token_prob)
-            if score > best_score:
-                best, best_score = Draft(draft.tokens, draft.parents,
-                                         source=f"{self.name}:{match.origin}"), score
-        return best
+        return self._drafted(context).within(k)
 
     def accept(self, feed: StepFeed) -> None:
         return None
 
-    def _matches(self, context: Sequence[int]) -> list[Match]:
-        # a k="auto" step asks twice (has it anything? then k tokens): match once a step
+    def _drafted(self, context: Sequence[int]) -> Draft:
+        # a k="auto" step asks twice (has it anything? then k tokens): draft once a step, as
+        # deep as the match earns, and cut per ask
         key = (len(context), int(context[-1]) if len(context) else -1)
         if self._memo is not None and self._memo[:2] == key:
             return self._memo[2]
+        if self._pending is not None:
+            self._pending.settle(context, self.odds, final=True)
+        best, self._pending = self._best(context)
+        self._memo = (*key, best)
+        return best
+
+    def _best(self, context: Sequence[int]) -> tuple[Draft, Prediction | None]:
+        """The match whose calibrated draft promises most tokens, and its first chain's
+        prediction for the odds."""
+        best, score, prediction = Draft(), 0.0, None
+        for match in self._matches(context):
+            depth = min(MAX_DEPTH, int(match.length * self.max_spec_factor))
+            counted, _ = continuations(match, depth, self.tree, self.max_nodes,
+                                       self.min_token_prob)
+            draft = self._calibrated(counted, match.length, f"{self.name}:{match.origin}")
+            if sum(draft.survival) > score:
+                best, score = draft, sum(draft.survival)
+                chain = counted.first_chain()
+                prediction = Prediction(len(context), chain.tokens, match.length,
+                                        _conditional(chain.survival))
+        return best, prediction
+
+    def _calibrated(self, counted: Draft, length: int, source: str) -> Draft:
+        """The draft with its counts' probabilities turned into survival by the odds: node
+        j deep continues a match of length + j - 1 tokens."""
+        survival: list[float] = []
+        for i, (parent, depth) in enumerate(zip(counted.parent_list(), counted.depths())):
+            above = counted.survival[parent] if parent >= 0 else 1.0
+            alive = survival[parent] if parent >= 0 else 1.0
+            scale = self.odds.scale(length + depth - 1)
+            survival.append(alive * min(1.0, scale * counted.survival[i] / above))
+        return replace(counted, survival=tuple(survival), source=source)
+
+    def _matches(self, context: Sequence[int]) -> list[Match]:
         found = [request_match(context, self.min_match)] if self.request else []
         if self._index is not None:
             found.append(self._index.match(context, self.min_match))
-        matches = [m for m in found if m is not None]
-        self._memo = (*key, matches)
-        return matches
+        return [m for m in found if m is not None]
+
+
+def _conditional(probs: Sequence[float]) -> tuple[float, ...]:
+    """A chain's cumulative probabilities as each node's given the ones before it."""
+    return tuple(p / above for p, above in zip(probs, (1.0, *probs)))
 
 
 def index_of(records: Sequence[Any]) -> SuffixIndex:

@@ -20,7 +20,7 @@ from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.gguf_layers import GgufLinear  # noqa: E402
 from tests.distributions import assert_follows, two_token_law  # noqa: E402
 from tests.test_engine import oracle  # noqa: E402
-from tests.tiny import dequantized_twin, save_gguf, tiny_llama  # noqa: E402
+from tests.tiny import dequantized_twin, save_gguf, tiny_llama, tiny_qwen3  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gguf_model.unavailable_reason() is not None,
                                 reason=f"no GGUF kernel here: {gguf_model.unavailable_reason()}")
@@ -246,3 +246,35 @@ def test_a_gguf_cut_short_is_refused_with_the_fix(files, tmp_path):
 def test_dtype_gguf_needs_a_gguf_file(tmp_path):
     with pytest.raises(SpecdeckError, match="not one"):
         TorchBackend().load(str(tmp_path), device="cpu", dtype="gguf")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A Qwen3 GGUF (per-head q/k norms) whose widths fill whole vectors."""
+    source = tiny_qwen3(seed=5)
+    folder = tmp_path_factory.mktemp("qwen3")
+    model = TorchBackend().load(str(save_gguf(source, folder / "qwen3.gguf", int(T.Q8_0))),
+                                device="cpu", dtype="auto")
+    model.eos_token_ids = frozenset()
+    return source, model
+
+
+def test_a_qwen3_gguf_runs_the_lean_forward_and_computes_what_its_dequantized_twin_computes(
+        qwen3):
+    source, model = qwen3
+    assert model.lean is not None
+    assert model.lean.in_c == lean_ops.is_available()
+    twin = dequantized_twin(source, int(T.Q8_0))
+    ours = torch.as_tensor(model.start().forward(PROMPT, n_logits=len(PROMPT)).host_logits())
+    theirs = torch.as_tensor(twin.start().forward(PROMPT, n_logits=len(PROMPT)).host_logits())
+    assert float((ours - theirs).norm() / theirs.norm()) < 0.02
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["ngram", "ngram-tree"])
+def test_on_a_qwen3_gguf_plain_decoding_is_the_oracle_and_lookup_keeps_it(qwen3, kind):
+    _, model = qwen3
+    plain = list(generate(model).token_ids)
+    assert plain == oracle(model, PROMPT, 24)
+    drafter = build_drafter(kind, model, backend=TorchBackend())
+    assert list(generate(model, drafter, k=4).token_ids) == plain

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from backends.torch.backend import TorchBackend, cpu_has_native_bf16
 from backends.torch.decoder import lean_reason
@@ -25,12 +32,18 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 
 def _folder(kind: str, tmp_path):
     torch.manual_seed(3)
-    hf = (Qwen2ForCausalLM(Qwen2Config(**SHAPE)) if kind == "qwen2"  # q/k/v carry biases
-          else LlamaForCausalLM(LlamaConfig(**SHAPE)))
+    if kind == "qwen2":  # q/k/v carry biases
+        hf = Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    elif kind == "qwen3":  # queries and keys normed per head before RoPE
+        hf = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16))
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(**SHAPE))
     with torch.no_grad():
         for name, tensor in hf.named_parameters():
             if name.endswith("bias"):
                 tensor.normal_(0, 0.5)  # random init leaves them zero: make them count
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.uniform_(0.5, 1.5)  # ones would hide a norm applied to the wrong rows
     hf.save_pretrained(tmp_path / kind)
     tiny_tokenizer().save_pretrained(tmp_path / kind)
     return tmp_path / kind
@@ -40,7 +53,7 @@ def _ids(n: int, seed: int) -> list[int]:
     return [(seed + 7 * i * i) % (VOCAB - 2) + 2 for i in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_lean_forward_gives_every_row_the_bits_of_the_transformers_forward(
         tmp_path, kind, dtype):
@@ -101,10 +114,6 @@ def test_a_tree_path_is_kept_in_slots_grown_during_a_forward(tmp_path):
 
 def test_models_the_lean_forward_does_not_compute_keep_the_transformers_forward():
     assert lean_reason(tiny_llama(seed=1).hf) == "its projections are not fused"
-    from transformers import Qwen3ForCausalLM  # q/k norms: not the Llama layout
-
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16))
-    assert "qwen3" in lean_reason(qwen3)
     mistral_config = LlamaConfig(**SHAPE)
     mistral_config.model_type = "mistral"
     mistral_config.sliding_window = 64

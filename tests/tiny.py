@@ -45,6 +45,25 @@ def tiny_llama(seed: int, vocab: int = VOCAB, layers: int = 2, hidden: int = 32)
     return TorchModel(hf, tiny_tokenizer(vocab), name=f"tiny-llama-{seed}", device="cpu")
 
 
+def tiny_qwen3(seed: int, vocab: int = VOCAB, layers: int = 2, hidden: int = 64) -> TorchModel:
+    """A tiny Qwen3: Llama's layout with each head's queries and keys normed before RoPE
+    (norm weights drawn away from ones, so a norm on the wrong rows shows)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden // 4, max_position_embeddings=256, eos_token_id=1,
+                         bos_token_id=0, tie_word_embeddings=False)
+    hf = Qwen3ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+        for name, weight in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.uniform_(0.5, 1.5)
+    return TorchModel(hf, tiny_tokenizer(vocab), name=f"tiny-qwen3-{seed}", device="cpu")
+
+
 def save_hf_folder(model: TorchModel, folder: Path) -> Path:
     """A torch model's weights, config and tokenizer as an HF folder any backend can load."""
     model.hf.save_pretrained(folder)
@@ -60,9 +79,10 @@ def mlx_twin(model: TorchModel, folder: Path):
 
 
 def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
-    """A tiny llama's weights as a GGUF file, its matrices quantized to `kind` (a legacy type
-    the gguf package quantizes), norms in F32, query and key rows in llama.cpp's order; its
-    config and tokenizer go where the torch backend's first load would put them."""
+    """A tiny llama's (or qwen3's) weights as a GGUF file, its matrices quantized to `kind`
+    (a legacy type the gguf package quantizes), norms in F32, a llama's query and key rows in
+    llama.cpp's order; its config and tokenizer go where the torch backend's first load would
+    put them."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
@@ -70,7 +90,8 @@ def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     from backends.torch.gguf_model import _qk_order
 
     hf, config = model.hf, model.hf.config
-    writer = GGUFWriter(str(path), "llama")
+    architecture = config.model_type
+    writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -81,7 +102,7 @@ def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     state = hf.state_dict()
     for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
         weight = state[hf_name].float().numpy()
-        order = _qk_order(gguf_name, config, "llama")
+        order = _qk_order(gguf_name, config, architecture)
         if order is not None:
             stored = np.empty_like(weight)
             stored[order] = weight

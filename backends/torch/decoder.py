@@ -3,8 +3,9 @@ projections, rotary embedding, output layer) called in the order its layers call
 static KV cache, with row-wise attention.
 
 Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral without a
-sliding window), torch ops, the row-wise attention rule of backends/torch/attention.py. Must
-not know: drafting or verification rules, sessions' block splitting and padding (session.py).
+sliding window; Qwen3, whose queries and keys are normed per head before RoPE), torch ops, the
+row-wise attention rule of backends/torch/attention.py. Must not know: drafting or verification
+rules, sessions' block splitting and padding (session.py).
 
 Why: at one row per forward the 1.5B Qwen's int4 decode step spent about 25 of its 95 ms
 outside the matmuls: transformers' per-layer scaffolding (mask and position plumbing, cache
@@ -26,9 +27,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from backends.torch import lean_ops
 from backends.torch.attention import MAX_ROWWISE_ROWS
 
-# model types whose decoder layers are input norm, attention (q/k/v with optional bias, rope,
-# o), post-attention norm, gated MLP: the only layout this forward computes
-LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral"})
+# model types whose decoder layers are input norm, attention (q/k/v with optional bias, an
+# optional per-head q/k norm, rope, o), post-attention norm, gated MLP: the only layout this
+# forward computes
+LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral", "qwen3"})
 FIRST_CAPACITY = 512  # cache slots allocated at first; doubled as the sequence grows
 
 Keys = slice | torch.Tensor  # the cache slots one query row attends to
@@ -60,6 +62,8 @@ class _Layer:
     gate_up: torch.nn.Module
     down_proj: torch.nn.Module
     intermediate: int
+    q_norm: torch.nn.Module | None  # Qwen3's per-head norms, before RoPE; None for Llama's
+    k_norm: torch.nn.Module | None
 
 
 class StaticKV:
@@ -123,7 +127,9 @@ class LeanDecoder:
         self._layers = [_Layer(layer.input_layernorm, layer.self_attn.qkv_fused.layer,
                                layer.self_attn.o_proj, layer.post_attention_layernorm,
                                layer.mlp.gate_up_fused.layer, layer.mlp.down_proj,
-                               int(layer.mlp.gate_up_fused.sizes[0]))
+                               int(layer.mlp.gate_up_fused.sizes[0]),
+                               getattr(layer.self_attn, "q_norm", None),
+                               getattr(layer.self_attn, "k_norm", None))
                         for layer in hf.model.layers]
         self._scaling = float(hf.model.layers[0].self_attn.scaling)
         self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
@@ -198,7 +204,7 @@ class LeanDecoder:
         cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim]: broadcast over heads
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self._layers):
-            qkv = layer.qkv(layer.input_norm(x))
+            qkv = self._head_norms(layer, layer.qkv(layer.input_norm(x)))
             attended = torch.cat([
                 self._attention(qkv[start:end], index, segment.cache, first, cos[start:end],
                                 sin[start:end], segment.keys)
@@ -226,7 +232,7 @@ class LeanDecoder:
         captured: dict[int, torch.Tensor] = {}
         normed = lean_ops.rmsnorm(x, *self._norms[0])
         for index, layer in enumerate(self._layers):
-            qkv = layer.qkv(normed)
+            qkv = self._head_norms(layer, layer.qkv(normed))
             lean_ops.rope(qkv, heads + kv_heads, dim, cos, sin)
             parts = []
             for (start, end, first), segment, seen in zip(spans, segments, slots):
@@ -246,6 +252,17 @@ class LeanDecoder:
             if index in want:
                 captured[index] = x
         return x, normed, captured
+
+    def _head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with its queries and keys normed per head (Qwen3), as transformers norms the
+        q and k projections' outputs viewed as [rows, heads, dim]; unchanged without norms."""
+        if layer.q_norm is None or layer.k_norm is None:
+            return qkv
+        n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        q = layer.q_norm(qkv.narrow(-1, 0, heads * dim).view(n, heads, dim))
+        k = layer.k_norm(qkv.narrow(-1, heads * dim, kv_heads * dim).view(n, kv_heads, dim))
+        v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim)
+        return torch.cat([q.reshape(n, heads * dim), k.reshape(n, kv_heads * dim), v], dim=-1)
 
     def _attention(self, qkv: torch.Tensor, index: int, cache: StaticKV, first: int,
                    cos: torch.Tensor, sin: torch.Tensor,

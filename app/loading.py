@@ -88,7 +88,9 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
         require(kind, runs_of(args.backend), tree=tree, has_draft=bool(spec.draft),
                 has_head=bool(spec.draft or spec.head))
     given_head = folder_head_kind(spec.draft)
-    if given_head:
+    # a kind of own layers takes any folder given (the target's original checkpoint, say) as
+    # where its layers are: its loader checks the folder
+    if given_head or (spec.draft and kind in drafters.TAKES_HEAD - drafters.HEADS):
         spec = replace(spec, draft=None, head=spec.draft)
     if kind != "auto":
         if given_head and kind in drafters.NEEDS_DRAFT_MODEL:
@@ -105,7 +107,7 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
     speculates = args.k != 0
     return kind, notes, replace(
         spec, draft=spec.draft if speculates and kind in drafters.NEEDS_DRAFT_MODEL else None,
-        head=spec.head if speculates and kind in drafters.HEADS else None)
+        head=spec.head if speculates and kind in drafters.TAKES_HEAD else None)
 
 
 def open_history(args: Any, target: Any) -> Any:
@@ -131,4 +133,5 @@ def _runnable(kind: str, notes: tuple[str, ...], pair: Pair) -> tuple[str, tuple
 
 
 def _a_head(kind: str) -> str:
-    return "Gemma 4's assistant" if kind == "assistant" else "an EAGLE head"
+    return {"assistant": "Gemma 4's assistant",
+            "mtp": "an MTP layer published apart from its target"}.get(kind, "an EAGLE head")

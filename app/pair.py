@@ -232,7 +232,7 @@ class Pair:
         self.require(kind, tree)
         return drafters.build_drafter(
             base, self.target, backend=self.backend, draft=self.draft,
-            vocab_limit=vocab_limit, head=self.head if base in drafters.HEADS else None,
+            vocab_limit=vocab_limit, head=self.head if base in drafters.TAKES_HEAD else None,
             tree=tree or suffixed, history=self.history)
 
     def engine(self, lane: str = MAIN) -> Any:
@@ -290,13 +290,17 @@ def catalogue_folder(path: str | None, files: str) -> str | None:
 
 def folder_head_kind(path: str | None) -> str | None:
     """The kind of a head folder given as a draft: an EAGLE head's (its config and safetensors
-    header, no torch) or Gemma 4's assistant (its config's model_type)."""
+    header, no torch), Gemma 4's assistant or a Qwen3.5 / 3.6 MTP layer published apart (its
+    config's model_type)."""
     if not path:
         return None
     from backends.heads.assistant_format import is_assistant
     from backends.heads.eagle_format import head_kind
+    from backends.heads.mtp_folder import is_mtp_folder
 
-    return "assistant" if is_assistant(path) else head_kind(path)
+    if is_assistant(path):
+        return "assistant"
+    return "mtp" if is_mtp_folder(path) else head_kind(path)
 
 
 def mtp_layers_of(target_path: str) -> int | None:

@@ -40,10 +40,11 @@ def head_builder(module: str, loader: str) -> Builder:
 
 
 def own_layers_builder(module: str, loader: str) -> Builder:
-    """A builder that calls `module.loader(target)`: layers of the target's own checkpoint (a
-    SpecdeckError when it has none)."""
+    """A builder that calls `module.loader(target, head folder or None)`: layers of the
+    target's own checkpoint, or of a folder published apart in their place (a SpecdeckError
+    when there are none)."""
     def build_own_layers(request: DrafterRequest) -> Any:
-        return _named(module, loader)(request.target)
+        return _named(module, loader)(request.target, request.head)
     return build_own_layers
 
 

@@ -36,6 +36,8 @@ __all__ = ["LOOKUP_FIRST", "TREE_SUFFIX"]
 KINDS = NAMES  # every kind, in the order menus list them
 NEEDS_DRAFT_MODEL = frozenset(k.name for k in BY_NAME.values() if k.needs == DRAFT_MODEL)
 HEADS = frozenset(k.name for k in BY_NAME.values() if k.needs == HEAD)  # --draft is a folder
+# the kinds a head folder is handed to: the heads, and own layers that take them from a folder
+TAKES_HEAD = HEADS | frozenset(k.name for k in BY_NAME.values() if k.takes_head)
 TREES = TREE_MENU  # kinds that draft trees when asked (--tree, "<kind>:tree")
 OWN_MODEL = frozenset(k.name for k in BY_NAME.values() if k.downloads)
 CHOICES = ("auto", *KINDS)  # what a user may ask for

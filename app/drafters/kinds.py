@@ -44,7 +44,8 @@ class Kind:
     rank: its place in the planner's order, best first (0: the planner never picks it on its
     own), with where it comes from (`source`) and why it stands there; captures: the target
     layers whose hidden states each verify row hands the drafter (the verify state); kv_cache:
-    whether the drafter keeps a KV cache of its own per token."""
+    whether the drafter keeps a KV cache of its own per token; takes_head: a kind of the
+    target's own layers that also takes them from a folder published apart (--draft DIR)."""
 
     name: str
     needs: str
@@ -57,6 +58,7 @@ class Kind:
     why: str = ""
     captures: int = 0
     kv_cache: bool = True
+    takes_head: bool = False
 
     @property
     def built_as(self) -> str:
@@ -94,9 +96,11 @@ TABLE = (
          after_lookup="eagle3", downloads=True),
     Kind("lookup+eagle", HEAD, "prompt lookup, then the EAGLE-1/2 head", trees=ASKED,
          after_lookup="eagle", downloads=True),
+    # a Qwen3.5 / 3.6 MTP layer published apart (--draft DIR) stands in for the target's own
     Kind("mtp", OWN_LAYERS, "the target's own MTP layers (native multi-token prediction)",
          rank=1, source=OWN,
-         why="trained with the target and inside its weights: nothing to download", captures=1),
+         why="trained with the target and inside its weights: nothing to download", captures=1,
+         takes_head=True),
     Kind("medusa", HEAD, "Medusa heads on the target's last hidden state (a static tree)",
          trees=ALWAYS, downloads=True, rank=6, source=SHIPPED,
          why="heads shipped for the target; each guesses one position on its own", captures=1,
@@ -250,9 +254,14 @@ def _inputs(kind: str, record: Kind, has_draft: bool | None, has_head: bool | No
     if record.needs == HEAD and head_kind not in (None, own):
         return Refusal(kind, f"drafter {kind!r} needs a {own} head, and this pair's head is "
                              f"{head_kind}", f"pick {head_kind}")
-    if record.needs == OWN_LAYERS and mtp_layers == 0:
+    if record.takes_head and head_kind not in (None, record.name):
+        return Refusal(kind, f"drafter {kind!r} takes an MTP folder, and this pair's head is "
+                             f"{head_kind}", f"pick {head_kind}")
+    if record.needs == OWN_LAYERS and mtp_layers == 0 and not (record.takes_head and has_head):
         return Refusal(kind, f"drafter {kind!r} needs MTP layers in the target's own "
-                             f"checkpoint, and {target} has none", "pick another drafter")
+                             f"checkpoint, and {target} has none",
+                       "give --draft MTP_DIR (its MTP layer published apart), or pick another "
+                       "drafter")
     return None
 
 

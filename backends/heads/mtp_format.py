@@ -11,8 +11,10 @@ fc, norm}` plus `mtp.layers.0.*`, a full-attention decoder layer of the target's
 fused as `fc(cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(hidden)))`, embedding first
 (vLLM's qwen3_5_mtp.py and qwen3_next_mtp.py; the norms are the target's own (1 + w) RMSNorm,
 the embedding and output layer the target's). The names an MTP layer module gives its parts
-on every backend (`proj`, `embed_norm`, `hidden_norm`, `out_norm`, `head`, `layer.*`). Must
-not know: an array library (tensor names are read from the safetensors headers; each backend
+on every backend (`proj`, `embed_norm`, `hidden_norm`, `out_norm`, `head`, `layer.*`), and
+which of them are Qwen's (1 + w) norms. A Qwen3.5 / 3.6 MTP layer published apart from its
+target is read by backends/heads/mtp_folder.py into the same MtpCheckpoint. Must not know:
+an array library (tensor names are read from the safetensors headers; each backend
 reads the tensors), drafting, the engine's loop.
 """
 
@@ -35,6 +37,11 @@ FUSE = {"deepseek": ("eh_proj", "enorm", "hnorm", "shared_head.norm"),
 QWEN_LAYER = "layers.0."  # Qwen3-Next / 3.5's first MTP decoder layer, inside `mtp.`
 _PARTS = ("proj", "embed_norm", "hidden_norm", "out_norm")
 OWN_HEAD = "shared_head.head.weight"  # DeepSeek's own output layer, when a checkpoint has one
+# Qwen3-Next / 3.5's (1 + w) RMSNorms, under the module's names: transformers stores w, MLX's
+# RMSNorm holds w + 1
+ONE_PLUS_W_NORMS = ("embed_norm.weight", "hidden_norm.weight", "out_norm.weight",
+                    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+                    "k_norm.weight")
 
 
 @dataclass(frozen=True)
@@ -48,14 +55,26 @@ class MtpLayout:
 @dataclass(frozen=True)
 class MtpCheckpoint:
     """A folder's MTP layout and, per safetensors file, the tensor names of its first MTP
-    layer (the one that drafts)."""
+    layer (the one that drafts).
+
+    folder: set where the layer was published apart from the target (its refusals name it);
+    mlx_form: its tensors are as MLX holds them (norms stored as w + 1, MoE experts stacked
+    as `mlp.switch_mlp.{gate,up,down}_proj`), as mlx-vlm's split writes them."""
 
     layout: MtpLayout
     keys: Mapping[Path, tuple[str, ...]]
+    folder: Path | None = None
+    mlx_form: bool = False
 
     @property
     def prefix(self) -> str:
         return self.layout.prefixes[0]
+
+    @property
+    def described(self) -> str:
+        """The layer as a refusal names it."""
+        return f"the MTP layer in {self.folder}" if self.folder else \
+            f"its MTP layer {self.prefix}"
 
     @property
     def index(self) -> int:
@@ -110,13 +129,25 @@ def open_mtp(target: Any) -> MtpCheckpoint:
         raise SpecdeckError(f"{target.name} has no native MTP layers (its config names no "
                             "num_nextn_predict_layers with MTP tensors): pick another drafter, "
                             "e.g. --drafter ngram")
+    check_rewinds(target)
+    return MtpCheckpoint(layout, first_layer_keys(names, layout))
+
+
+def check_rewinds(target: Any) -> None:
+    """SpecdeckError where the target cannot rewind a rejected draft token."""
     if not target.capabilities.rewind:
         raise SpecdeckError(f"{target.name} carries MTP layers but cannot speculate: "
                             f"{target.capabilities.reason}; use --drafter none")
+
+
+def first_layer_keys(names: Mapping[Path, Sequence[str]], layout: MtpLayout
+                     ) -> dict[Path, tuple[str, ...]]:
+    """Per safetensors file, the names of the first MTP layer's tensors (files without any
+    left out)."""
     prefix = layout.prefixes[0]
     keys = {file: tuple(k for k in file_keys if k.startswith(prefix) and _first_layer(k, layout))
             for file, file_keys in names.items()}
-    return MtpCheckpoint(layout, {file: k for file, k in keys.items() if k})
+    return {file: k for file, k in keys.items() if k}
 
 
 def _first_layer(key: str, layout: MtpLayout) -> bool:
@@ -146,6 +177,6 @@ def split_layer(stored: Mapping[str, T], checkpoint: MtpCheckpoint
 def mismatch(target: str, checkpoint: MtpCheckpoint, layer_class: str,
              missing: Sequence[str], unexpected: Sequence[str]) -> SpecdeckError:
     """The refusal of an MTP layer whose tensors are not those its module holds."""
-    return SpecdeckError(f"{target}: its MTP layer {checkpoint.prefix} does not match a "
+    return SpecdeckError(f"{target}: {checkpoint.described} does not match a "
                          f"{layer_class} (missing {sorted(missing)[:4]}, "
                          f"unexpected {sorted(unexpected)[:4]})")

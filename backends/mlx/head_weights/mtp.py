@@ -1,12 +1,14 @@
-"""Native MTP layers inside a target checkpoint on MLX: the layer module, its step over an
-mlx-lm KVCache, and the loader (backends/heads/mtp_drafter.py drafts with them).
+"""Native MTP layers on MLX (inside a target checkpoint, or a Qwen3.5 / 3.6 one published
+apart): the layer module, its step over an mlx-lm KVCache, and the loader
+(backends/heads/mtp_drafter.py drafts with them).
 
 Knows: the MTP layer as an mlx module (the math of backends/torch/head_weights/mtp.py) around a
 decoder layer of the loaded mlx-lm model's own class (glm4_moe, deepseek_v3, mimo, qwen2,
 ...), built from the model's args; the model module's `sanitize`, which stacks per-expert MoE
 tensors as its SwitchGLU holds them (it drops MTP layers, so their tensors are read here
 from the folder's safetensors with mx.load); mlx-lm's KVCache and causal masks. Must not
-know: where a family keeps its MTP layers (backends/heads/mtp_format.py), drafting
+know: where a family keeps its MTP layers (backends/heads/mtp_format.py, mtp_folder.py),
+drafting
 (backends/heads/mtp_drafter.py), the engine's loop.
 
 Positions: the layer's RoPE offset is its cache's `offset`, so the layer sees a view of the
@@ -27,7 +29,14 @@ from mlx_lm.models.cache import KVCache
 
 from app.core.types import SpecdeckError
 from backends.heads.mtp_drafter import MtpDrafter
-from backends.heads.mtp_format import MtpCheckpoint, mismatch, open_mtp, split_layer
+from backends.heads.mtp_folder import open_mtp_folder
+from backends.heads.mtp_format import (
+    ONE_PLUS_W_NORMS,
+    MtpCheckpoint,
+    mismatch,
+    open_mtp,
+    split_layer,
+)
 from backends.mlx.arrays import MlxArrays
 from backends.mlx.head_weights.eagle import target_parts
 
@@ -89,10 +98,12 @@ class MlxMtpStep:
         self._cache.trim(n)
 
 
-def load_mtp_drafter(target: Any) -> MtpDrafter:
-    """The drafter over the first MTP layer of the MLX target's own folder; SpecdeckError
-    naming why when it has none or mlx-lm cannot build it."""
-    checkpoint = open_mtp(target)
+def load_mtp_drafter(target: Any, head: str | None = None) -> MtpDrafter:
+    """The drafter over the first MTP layer of the MLX target's own folder, or of the folder
+    `head` (an MTP layer published apart, in place of the target's own); SpecdeckError naming
+    why when there is none, it was made for another target, or mlx-lm cannot build it."""
+    checkpoint = open_mtp(target) if head is None else \
+        open_mtp_folder(head, target, _text_config(target.net))
     embed, final_norm, output = target_parts(target.net, target.name)
     layer = _build(target, checkpoint)
     head = layer.head if "head" in layer else output
@@ -108,7 +119,7 @@ def _build(target: Any, checkpoint: MtpCheckpoint) -> MtpLayer:
     args = _text_args(net)
     mtp = MtpLayer(style, int(args.hidden_size), float(args.rms_norm_eps), layer, head_rows)
     weights = fuse | {f"layer.{k}": v for k, v in _sanitized(net, own).items()}
-    if style == "qwen3_next" and _transformers_form(checkpoint):
+    if style == "qwen3_next" and not checkpoint.mlx_form and _transformers_form(checkpoint):
         weights = _shifted_norms(weights)
     names = {name for name, _ in tree_flatten(mtp.parameters())}
     if names != set(weights):
@@ -117,7 +128,7 @@ def _build(target: Any, checkpoint: MtpCheckpoint) -> MtpLayer:
     try:
         mtp.load_weights(list(weights.items()))
     except ValueError as error:  # a tensor of another shape than the model's args describe
-        raise SpecdeckError(f"{target.name}: its MTP layer {checkpoint.prefix} does not match "
+        raise SpecdeckError(f"{target.name}: {checkpoint.described} does not match "
                             f"a {layer_class}: {error}") from error
     mtp.set_dtype(target.compute_dtype)
     mx.eval(mtp.parameters())
@@ -150,6 +161,12 @@ def _text_args(net: Any) -> Any:
     return getattr(inner, "args", None) or getattr(net, "args", None)
 
 
+def _text_config(net: Any) -> dict[str, Any]:
+    """The text model's args as a config's keys (mlx-lm names them as config.json does)."""
+    args = _text_args(net)
+    return dict(vars(args)) if args is not None else {}
+
+
 def _layer_index(net: Any, checkpoint: MtpCheckpoint) -> int:
     """The index the MTP decoder layer is built as, which picks its kind: DeepSeek-style
     layers sit past the last layer; Qwen3-Next / 3.5's is full attention (the index of the
@@ -174,10 +191,8 @@ def _transformers_form(checkpoint: MtpCheckpoint) -> bool:
 def _shifted_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The (1 + w) norms as mlx's RMSNorm holds them (w + 1), as mlx-lm's sanitize shifts the
     target's own."""
-    norms = ("embed_norm.weight", "hidden_norm.weight", "out_norm.weight",
-             "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
-             "k_norm.weight")
-    return {k: v + 1.0 if k.endswith(norms) and v.ndim == 1 else v for k, v in weights.items()}
+    return {k: v + 1.0 if k.endswith(ONE_PLUS_W_NORMS) and v.ndim == 1 else v
+            for k, v in weights.items()}
 
 
 def _tensors(target: Any, checkpoint: MtpCheckpoint) -> dict[str, mx.array]:

@@ -1,11 +1,13 @@
-"""Native MTP layers inside a target checkpoint on torch: the layer module, its step over a
-transformers cache, and the loader (backends/heads/mtp_drafter.py drafts with them).
+"""Native MTP layers on torch (inside a target checkpoint, or a Qwen3.5 / 3.6 one published
+apart): the layer module, its step over a transformers cache, and the loader
+(backends/heads/mtp_drafter.py drafts with them).
 
 Knows: the MTP layer as a torch module (two input norms, the fusing projection, a decoder
 layer of the target's own class, the out norm, the checkpoint's own head when it has one),
 transformers' DynamicCache and the target's rotary embedding, the fused MoE expert tensors
-transformers' modules hold, torch's safetensors reading. Must not know: where a family keeps
-its MTP layers (backends/heads/mtp_format.py), drafting (the pairs, the chain, the recycle:
+transformers' modules hold (and MLX's stacked ones, turned into them), torch's safetensors
+reading. Must not know: where a family keeps its MTP layers (backends/heads/mtp_format.py,
+mtp_folder.py), drafting (the pairs, the chain, the recycle:
 backends/heads/mtp_drafter.py), surfaces, the engine's loop.
 """
 
@@ -17,8 +19,16 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from app.core.types import SpecdeckError
 from backends.heads.mtp_drafter import MtpDrafter
-from backends.heads.mtp_format import MtpCheckpoint, mismatch, open_mtp, split_layer
+from backends.heads.mtp_folder import open_mtp_folder
+from backends.heads.mtp_format import (
+    ONE_PLUS_W_NORMS,
+    MtpCheckpoint,
+    mismatch,
+    open_mtp,
+    split_layer,
+)
 from backends.torch.arrays import TorchArrays
 
 
@@ -76,10 +86,13 @@ class TorchMtpStep:
                 layer.crop(-n)  # transformers 5 crops by a negative count of tokens
 
 
-def load_mtp_drafter(target: Any) -> MtpDrafter:
-    """The drafter over the first MTP layer of `target`'s own checkpoint; SpecdeckError naming
-    why when it has none or cannot be rewound."""
-    checkpoint = open_mtp(target)
+def load_mtp_drafter(target: Any, head: str | None = None) -> MtpDrafter:
+    """The drafter over the first MTP layer of `target`'s own checkpoint, or of the folder
+    `head` (an MTP layer published apart, in place of the target's own); SpecdeckError
+    naming why when there is none, it was made for another target, or the target cannot be
+    rewound."""
+    checkpoint = open_mtp(target) if head is None else \
+        open_mtp_folder(head, target, target.hf.config.get_text_config().to_dict())
     layer = _build(target, checkpoint, _tensors(checkpoint))
     model, output = target.hf.model, target.hf.get_output_embeddings()
     dtype = output.weight.dtype
@@ -114,7 +127,13 @@ def _build(target: Any, checkpoint: MtpCheckpoint, tensors: dict[str, torch.Tens
         head = torch.nn.Linear(hidden, rows, bias=False)
     mtp = MtpLayer(style, config, layer, type(target.hf.model.norm), head)
     state = fuse | {f"layer.{k}": v for k, v in _fuse_experts(own).items()}
-    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    if checkpoint.mlx_form:
+        state = _from_mlx_form(state)
+    try:
+        missing, unexpected = mtp.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a tensor of another shape than the target's layer holds
+        raise SpecdeckError(f"{target.name}: {checkpoint.described} does not match a "
+                            f"{layer_class.__name__}: {error}") from error
     if missing or unexpected:
         raise mismatch(target.name, checkpoint, layer_class.__name__, missing, unexpected)
     return mtp.to(device=target.device, dtype=target.hf.dtype).eval()
@@ -143,6 +162,21 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for j in experts])
     out["mlp.experts.down_proj"] = torch.stack([state[f"mlp.experts.{j}.down_proj.weight"]
                                                 for j in experts])
+    return out
+
+
+def _from_mlx_form(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MLX's tensors as transformers' modules hold them: the (1 + w) norms back to w (in
+    float32: the stored w + 1 already rounded w), stacked experts `switch_mlp.{gate,up,down}
+    _proj` [E, I, H] / [E, H, I] as the fused gate_up_proj [E, 2I, H] and down_proj."""
+    out = {k: v.float() - 1.0 if k.endswith(ONE_PLUS_W_NORMS) and v.ndim == 1 else v
+           for k, v in state.items()}
+    stacked = "layer.mlp.switch_mlp."
+    if f"{stacked}gate_proj.weight" in out:
+        gate, up, down = (out.pop(f"{stacked}{name}_proj.weight") for name in ("gate", "up",
+                                                                                "down"))
+        out["layer.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out["layer.mlp.experts.down_proj"] = down
     return out
 
 

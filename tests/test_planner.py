@@ -518,16 +518,25 @@ def test_a_gemma_assistant_pair_keeps_no_drafter_kv_cache(catalogue):
 
 
 def test_gemma_4_and_gpt_oss_configs_read_as_the_catalogue_has_them(catalogue):
-    # E4B's last 18 layers reuse earlier layers' keys and values: 24 keep their own
+    # E4B's last 18 layers reuse earlier layers' keys and values: 24 keep their own, 20 of
+    # them sliding; its full layers' heads are 512 wide (the values of its public config)
     e4b = {"model_type": "gemma4", "text_config": {
         "hidden_size": 2560, "num_hidden_layers": 42, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 262144,
         "max_position_embeddings": 131072, "num_kv_shared_layers": 18,
+        "sliding_window": 512, "global_head_dim": 512, "attention_k_eq_v": False,
         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7}}
     assert target_info.arch_from_config(e4b) == catalogue.models["gemma-4-e4b"].arch
+    gemma_31b = {"model_type": "gemma4", "text_config": {
+        "hidden_size": 5376, "num_hidden_layers": 60, "num_attention_heads": 32,
+        "num_key_value_heads": 16, "num_global_key_value_heads": 4, "head_dim": 256,
+        "global_head_dim": 512, "attention_k_eq_v": True, "vocab_size": 262144,
+        "max_position_embeddings": 262144, "sliding_window": 1024, "num_kv_shared_layers": 0,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10}}
+    assert target_info.arch_from_config(gemma_31b) == catalogue.models["gemma-4-31b"].arch
     gpt_oss = {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24,
                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
                "vocab_size": 201088, "max_position_embeddings": 131072,
-               "num_local_experts": 32, "intermediate_size": 2880,
+               "num_local_experts": 32, "intermediate_size": 2880, "sliding_window": 128,
                "layer_types": ["sliding_attention", "full_attention"] * 12}
     assert target_info.arch_from_config(gpt_oss) == catalogue.models["gpt-oss-20b"].arch

@@ -33,11 +33,10 @@ from app.catalogue.sizing import (
     Fit,
     Sizing,
     _gb,
-    _kv_bytes,
     _target_source,
+    arch_sizing,
     drafter_sizing,
     fit,
-    kv_bytes_per_token,
     model_sizing,
     state_slots,
     verify_state,
@@ -196,8 +195,7 @@ class _Context:
         weights = weights_bytes(info.params, self.backend, self.dtype, None)
         if info.path is not None and (self.backend == "mlx" or self.dtype == "gguf"):
             weights = _disk_bytes(info.path)  # kept as it is on disk
-        return Sizing(weights, kv_bytes_per_token(info.arch, _kv_bytes(self.dtype)),
-                      info.arch.context, info.arch.stream.bytes(_kv_bytes(self.dtype)))
+        return arch_sizing(info.arch, weights, self.backend, self.dtype)
 
     def fit(self, option: Option) -> Fit:
         drafter = drafter_sizing(option.kind, option.model, self.info.arch, self.backend,
@@ -206,7 +204,8 @@ class _Context:
                               option.model.arch if option.model else None, self.dtype)
         slots = state_slots(option.kind, option.k, self.info.arch, self.dtype)
         return fit(self.target_sizing(), drafter, self.memory, self.context, self.backend,
-                   self.device, self.dtype, verify, slots)
+                   self.device, self.dtype, verify, slots,
+                   option.k if option.kind != "none" else 0)
 
     def problem(self, option: Option) -> str:
         """Why this drafter cannot be used here, or '' when it can."""
@@ -241,7 +240,8 @@ class _Context:
         if not result.target_fits and option.model is not None:
             return f"the target alone does not fit ({result.summary()})"
         if not result.fits:
-            extra = result.drafter_weights_bytes + self.context * result.drafter_kv_per_token
+            extra = (result.drafter_weights_bytes + result.kv_bytes(self.context)
+                     - result.kv_bytes(self.context, speculating=False))
             return (f"does not fit: its weights and KV cache need {_gb(extra)} more for one "
                     f"stream of {self.context} tokens; {_gb(result.usable_bytes)} usable")
         return ""

@@ -66,6 +66,28 @@ class Arch:
     stream: StreamState = StreamState(())  # a hybrid's recurrent layers, per stream
     experts: int = 0  # a MoE's routed experts per layer (num_experts / num_local_experts)
     expert_ffn: int = 0  # each expert's intermediate size (moe_intermediate_size)
+    # a sliding window (sliding_window) and how many of the KV-keeping layers slide: those
+    # keep at most the window's rows, at kv_heads x head_dim; 0: no window
+    window: int = 0
+    sliding_layers: int = 0
+    # the full-attention layers' own KV geometry where it differs from the sliding layers'
+    # (Gemma 4's num_global_key_value_heads, global_head_dim); 0: kv_heads, head_dim
+    full_kv_heads: int = 0
+    full_head_dim: int = 0
+    # the full layers' values come from their key projection (Gemma 4's attention_k_eq_v):
+    # transformers and mlx-lm still cache keys and values as two tensors (the values are
+    # normed, the keys normed and rotated), so it shrinks the weights, not the KV cache
+    k_eq_v: bool = False
+
+    @property
+    def kv_layer_count(self) -> int:
+        """The layers that keep their own KV (kv_layers, or every layer)."""
+        return self.kv_layers or self.layers
+
+    @property
+    def full_layers(self) -> int:
+        """The KV-keeping layers that attend to the whole context."""
+        return self.kv_layer_count - self.sliding_layers
 
     @property
     def expert_weights(self) -> int:
@@ -362,8 +384,8 @@ class _Fields:
             raise self.error(f"unknown field '{extra[0]}'", extra[0])
 
 
-_TYPE_WORDS = {"dict": "mapping", "list": "list", "int": "integer", "str": "quoted text",
-               "str/int/float": "text value"}
+_TYPE_WORDS = {"dict": "mapping", "list": "list", "int": "integer", "bool": "true or false",
+               "str": "quoted text", "str/int/float": "text value"}
 
 
 # ---- schema ----------------------------------------------------------------------------
@@ -397,9 +419,12 @@ def _model(f: _Fields, model_id: str) -> ModelSpec:
                 stream=_linear_layers(a.child("linear", f"model {model_id} arch linear",
                                               required=False)),
                 experts=a.count("experts", required=False) or 0,
-                expert_ffn=a.count("expert_ffn", required=False) or 0)
+                expert_ffn=a.count("expert_ffn", required=False) or 0,
+                **_window(a.child("window", f"model {model_id} arch window", required=False)),
+                **_full_layers(a.child("full", f"model {model_id} arch full", required=False)))
     if bool(arch.experts) != bool(arch.expert_ffn):
         raise a.error("a MoE's arch gives both 'experts' and 'expert_ffn' (or neither)")
+    _check_layer_kinds(a, arch)
     a.done()
     s = f.child("sources", f"model {model_id} sources")
     sources = {}
@@ -428,6 +453,37 @@ def _expert_formats(s: _Fields, sources: Mapping[str, tuple[Source, ...]], arch:
             if source.format in EXPERT_ONLY_BITS and not arch.experts:
                 raise s.error(f"format {source.format} quantizes a MoE's expert weights: the "
                               "arch must give 'experts' and 'expert_ffn'", backend)
+
+
+def _window(f: _Fields | None) -> dict[str, int]:
+    """arch.window: {size, layers}: the sliding window (config.json's sliding_window) and how
+    many of the KV-keeping layers slide (its layer_types' sliding_attention)."""
+    if f is None:
+        return {}
+    fields = {"window": f.count("size"), "sliding_layers": f.count("layers")}
+    f.done()
+    return fields
+
+
+def _full_layers(f: _Fields | None) -> dict[str, Any]:
+    """arch.full: {kv_heads, head_dim, k_eq_v}: the full-attention layers' own KV geometry
+    (Gemma 4's num_global_key_value_heads, global_head_dim, attention_k_eq_v)."""
+    if f is None:
+        return {}
+    fields = {"full_kv_heads": f.count("kv_heads"), "full_head_dim": f.count("head_dim"),
+              "k_eq_v": f.get("k_eq_v", bool, required=False, default=False)}
+    f.done()
+    return fields
+
+
+def _check_layer_kinds(a: _Fields, arch: Arch) -> None:
+    """The sliding layers are some of the KV-keeping ones; a full geometry needs full layers."""
+    if arch.sliding_layers > arch.kv_layer_count:
+        raise a.error(f"window.layers ({arch.sliding_layers}) is more than the layers that "
+                      f"keep KV ({arch.kv_layer_count})", "window")
+    if arch.full_kv_heads and not arch.full_layers:
+        raise a.error("'full' gives the full-attention layers' KV, but every KV layer slides",
+                      "full")
 
 
 # a hybrid's Gated DeltaNet layers, by the config.json names states.py reads

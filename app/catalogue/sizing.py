@@ -1,5 +1,5 @@
-"""Memory arithmetic: weights, KV cache per token, verify state, and what fits (servable context
-and streams, with and without speculation).
+"""Memory arithmetic: weights, KV cache per token, a sliding window's rows per stream, verify
+state, and what fits (servable context and streams, with and without speculation).
 
 Knows: bytes per dtype and quantized format, the runtimes' own footprint (RUNTIME_BYTES), the
 share of free memory kept back (RESERVE). Must not know: the planner's choice, array
@@ -9,6 +9,7 @@ libraries, downloads.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,12 @@ GGUF_KV_BYTES = 4  # a GGUF computes in float32 between its matmuls, its KV cach
 # the server (after importing app.serve.server here: 383 MiB with torch, 268 MiB with MLX's
 # Linux CPU build)
 RUNTIME_BYTES = {"torch": 400 * 2**20, "mlx": 270 * 2**20}
+# rows a sliding layer keeps past its window during a one-row step: torch's
+# DynamicSlidingWindowLayer keeps window - 1 rows and a forward of n rows adds n (so a plain
+# step holds the window); MLX's WindowCache keeps window - 1 + SPARE (64, backends/mlx/rewind.py)
+# so a rewind leaves a full window. A verify of k drafts adds k more (Fit.spare_rows). Not
+# counted: mlx-lm's buffer growing in steps of 256 rows, as for every KV cache here.
+WINDOW_SPARE = {"torch": 0, "mlx": 64}
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,19 @@ class Sizing:
     """What one model costs in memory on one backend."""
 
     weights_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the full-attention layers' (every KV layer's without a window)
     context_limit: int  # the context the model was trained for
     state_bytes: int = 0  # a hybrid's recurrent state per stream, beside its KV cache
+    # a windowed model's sliding layers: K and V of one row across them, and the rows they
+    # keep per stream in a plain step (window + WINDOW_SPARE); a fixed cost past the window
+    window_row_bytes: int = 0
+    window_rows: int = 0
+
+    def kv_bytes(self, context: int, spare: int = 0) -> int:
+        """The KV one stream of `context` tokens keeps: every token in the full layers, at
+        most window_rows + spare (a verify's extra rows) in the sliding ones."""
+        return _stream_kv(self.kv_bytes_per_token, self.window_row_bytes, self.window_rows,
+                          context, spare)
 
 
 @dataclass(frozen=True)
@@ -69,13 +86,44 @@ class Fit:
     # to it (app/catalogue/states.py): both counted per stream in streams_spec
     state_bytes: int = 0
     slot_bytes: int = 0
+    # each model's sliding layers (Sizing.window_row_bytes, window_rows): a fixed cost per
+    # stream beside KV per token, which counts the full layers only
+    target_window_row_bytes: int = 0
+    target_window_rows: int = 0
+    drafter_window_row_bytes: int = 0
+    drafter_window_rows: int = 0
+    spare_rows: int = 0  # a verify's k drafts: the rows it adds to a window past a plain step's
+
+    def kv_bytes(self, tokens: int, speculating: bool = True) -> int:
+        """What one stream of `tokens` keeps in KV: the target's full layers per token and its
+        window's rows, and (speculating) the drafter's, with a verify's spare rows."""
+        spare = self.spare_rows if speculating else 0
+        target = _stream_kv(self.target_kv_per_token, self.target_window_row_bytes,
+                            self.target_window_rows, tokens, spare)
+        return target + (_stream_kv(self.drafter_kv_per_token, self.drafter_window_row_bytes,
+                                    self.drafter_window_rows, tokens, spare) if speculating else 0)
+
+    @property
+    def window_bytes(self) -> tuple[int, int]:
+        """(target, drafter) bytes the sliding layers keep per stream of `context` tokens
+        while speculating: beside KV per token, what a window costs each stream."""
+        target, drafter = self.window_rows_kept
+        return self.target_window_row_bytes * target, self.drafter_window_row_bytes * drafter
+
+    @property
+    def window_rows_kept(self) -> tuple[int, int]:
+        """(target, drafter) rows each sliding layer keeps per stream of `context` tokens while
+        speculating: window + WINDOW_SPARE + k, at most the context (0 without a window)."""
+        def kept(rows: int) -> int:
+            return min(self.context, rows + self.spare_rows) if rows else 0
+        return kept(self.target_window_rows), kept(self.drafter_window_rows)
 
     @property
     def memory_bytes(self) -> int:
         """What serving one stream of `context` tokens with speculation takes: the runtime,
-        both models' weights and both KV caches."""
+        both models' weights and both KV caches (their windows included)."""
         return (self.runtime_bytes + self.target_weights_bytes + self.drafter_weights_bytes
-                + self.context * (self.target_kv_per_token + self.drafter_kv_per_token))
+                + self.kv_bytes(self.context))
 
     @property
     def fits(self) -> bool:
@@ -87,13 +135,14 @@ class Fit:
 
     def summary(self) -> str:
         if not self.target_fits:
-            need = self.target_weights_bytes + self.context * self.target_kv_per_token
+            need = self.target_weights_bytes + self.kv_bytes(self.context, speculating=False)
             return f"target does not fit: needs {_gb(need)}, {_gb(self.usable_bytes)} usable"
         return (f"{self.max_context_plain}/{self.max_context_spec}, "
                 f"{self.streams_plain}/{self.streams_spec}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "fits": self.fits, "memory_bytes": self.memory_bytes}
+        return {**self.__dict__, "fits": self.fits, "memory_bytes": self.memory_bytes,
+                "window_bytes": list(self.window_bytes)}
 
     def rows(self) -> list[tuple[str, str]]:
         """The drafter's memory as labelled rows (models --why and the UI's pair card): its
@@ -108,9 +157,25 @@ class Fit:
                 ("verify state", verify),
                 ("KV per token", f"{_kib(self.target_kv_per_token)} target + "
                                  f"{_kib(self.drafter_kv_per_token)} drafter"),
+                *self._window_row(),
                 *state,
                 ("servable context", f"{self.max_context_plain} plain / "
                                      f"{self.max_context_spec} with the drafter")]
+
+
+    def _window_row(self) -> list[tuple[str, str]]:
+        """A windowed model's sliding layers per stream, beside KV per token (none without)."""
+        (target, drafter), rows = self.window_bytes, self.window_rows_kept
+        if not target and not drafter:
+            return []
+        kept = " / ".join(str(r) for r in rows if r)
+        return [("window per stream", f"{_size(target)} target + {_size(drafter)} drafter "
+                                      f"({kept} rows)")]
+
+
+def _stream_kv(per_token: int, row_bytes: int, rows: int, tokens: int, spare: int) -> int:
+    """One stream's KV: every token in the full layers, at most rows + spare in the sliding."""
+    return per_token * tokens + (row_bytes * min(tokens, rows + spare) if rows else 0)
 
 
 def _kv_bytes(dtype: str) -> int:
@@ -132,11 +197,33 @@ def parse_bytes(text: str) -> int:
 
 
 def kv_bytes_per_token(arch: Arch, dtype_bytes: int, layers: int | None = None) -> int:
-    """K and V for one token across the layers that keep KV (a hybrid's attention layers):
-    layers x kv heads x head dim x 2 x size."""
-    every = arch.kv_layers or arch.layers
-    return (every if layers is None else layers) * arch.kv_heads * arch.head_dim * 2 \
-        * dtype_bytes
+    """K and V for one token across the full-attention layers that keep KV (a hybrid's
+    attention layers; a windowed model's full layers, at their own kv heads and head dim):
+    layers x kv heads x head dim x 2 x size; `layers`: that many at kv_heads x head_dim
+    instead (MTP layers). Keys equal to values (k_eq_v) are still cached twice."""
+    if layers is not None:
+        return layers * arch.kv_heads * arch.head_dim * 2 * dtype_bytes
+    return (arch.full_layers * (arch.full_kv_heads or arch.kv_heads)
+            * (arch.full_head_dim or arch.head_dim) * 2 * dtype_bytes)
+
+
+def window_row_bytes(arch: Arch, dtype_bytes: int) -> int:
+    """K and V of one row across the sliding layers: the part of a stream's KV that stops
+    growing at the window."""
+    return arch.sliding_layers * arch.kv_heads * arch.head_dim * 2 * dtype_bytes
+
+
+def window_rows(arch: Arch, backend: str) -> int:
+    """The rows a sliding layer keeps per stream in a plain step on backend (0: no window)."""
+    return arch.window + WINDOW_SPARE.get(backend, 0) if arch.window else 0
+
+
+def arch_sizing(arch: Arch, weights: int, backend: str, dtype: str) -> Sizing:
+    """A model of this arch with these weights: its KV per token, window and state."""
+    width = _kv_bytes(dtype)
+    return Sizing(weights, kv_bytes_per_token(arch, width), arch.context,
+                  arch.stream.bytes(width), window_row_bytes(arch, width),
+                  window_rows(arch, backend))
 
 
 def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
@@ -150,23 +237,24 @@ def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
 
 def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
         backend: str = "", device: str = "", dtype: str = "",
-        verify: tuple[int, int] = (0, 0), slots: int = 0) -> Fit:
+        verify: tuple[int, int] = (0, 0), slots: int = 0, k: int = 0) -> Fit:
     """Servable context and concurrent streams of `context` tokens, plain and speculative;
     verify: (rows, bytes) of the verify state (`verify_state`); slots: a hybrid target's
-    state slots per stream (k + 1 states)."""
+    state slots per stream (k + 1 states); k: the drafts a verify checks. A stream's KV is
+    its full layers' per token and its sliding layers' window, with k spare rows while
+    speculating."""
     drafter = drafter or Sizing(0, 0, target.context_limit)
     runtime = RUNTIME_BYTES.get(backend, 0)
     usable = int(memory * (1 - RESERVE)) - runtime
     room_plain = usable - target.weights_bytes
     room_spec = room_plain - drafter.weights_bytes
-    kv_spec = target.kv_bytes_per_token + drafter.kv_bytes_per_token
     limit = min(target.context_limit, drafter.context_limit)
 
-    def longest(room: int, per_token: int, cap: int) -> int:
-        return max(0, min(cap, room // per_token)) if room > 0 else 0
+    def plain(tokens: int) -> int:
+        return target.kv_bytes(tokens)
 
-    def streams(room: int, per_token: int, state: int) -> int:
-        return max(0, room // (per_token * context + state)) if room > 0 else 0
+    def spec(tokens: int) -> int:
+        return target.kv_bytes(tokens, k) + drafter.kv_bytes(tokens, k)
 
     return Fit(backend=backend, device=device, dtype=dtype, available_bytes=memory,
                usable_bytes=usable, runtime_bytes=runtime,
@@ -174,13 +262,32 @@ def fit(target: Sizing, drafter: Sizing | None, memory: int, context: int,
                drafter_weights_bytes=drafter.weights_bytes,
                target_kv_per_token=target.kv_bytes_per_token,
                drafter_kv_per_token=drafter.kv_bytes_per_token, context_limit=limit,
-               max_context_plain=longest(room_plain, target.kv_bytes_per_token,
-                                         target.context_limit),
-               max_context_spec=longest(room_spec, kv_spec, limit), context=context,
-               streams_plain=streams(room_plain, target.kv_bytes_per_token, target.state_bytes),
-               streams_spec=streams(room_spec, kv_spec, target.state_bytes + slots),
+               max_context_plain=_longest(room_plain, plain, target.context_limit),
+               max_context_spec=_longest(room_spec, spec, limit), context=context,
+               streams_plain=_streams(room_plain, plain(context) + target.state_bytes),
+               streams_spec=_streams(room_spec, spec(context) + target.state_bytes + slots),
                verify_rows=verify[0], verify_bytes=verify[1], state_bytes=target.state_bytes,
-               slot_bytes=slots)
+               slot_bytes=slots, target_window_row_bytes=target.window_row_bytes,
+               target_window_rows=target.window_rows,
+               drafter_window_row_bytes=drafter.window_row_bytes,
+               drafter_window_rows=drafter.window_rows, spare_rows=k)
+
+
+def _longest(room: int, cost: Callable[[int], int], cap: int) -> int:
+    """The longest context up to cap whose KV fits in room (cost grows with the context, by
+    steps that shrink once a window is full, so a search rather than a division)."""
+    if room <= 0:
+        return 0
+    low, high = 0, cap
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cost(mid) <= room else (low, mid - 1)
+    return low
+
+
+def _streams(room: int, per_stream: int) -> int:
+    """Streams of per_stream bytes that fit in room."""
+    return max(0, room // per_stream) if room > 0 and per_stream > 0 else 0
 
 
 def verify_state(kind: str, k: int, target_arch: Arch, drafter_arch: Arch | None,
@@ -231,8 +338,7 @@ def model_sizing(model: ModelSpec, backend: str, dtype: str, draft: bool = False
     weights = weights_bytes(model.params, backend, dtype, fmt, model.download_bytes(backend)[0])
     if draft and dtype in ("gguf", "w4a8"):
         weights += int(model.arch.vocab * model.arch.hidden * _DTYPE_BYTES["w4a8"])
-    return Sizing(weights, kv_bytes_per_token(model.arch, _kv_bytes(dtype)), model.arch.context,
-                  model.arch.stream.bytes(_kv_bytes(dtype)))
+    return arch_sizing(model.arch, weights, backend, dtype)
 
 
 def drafter_sizing(kind: str, model: ModelSpec | None, target_arch: Arch, backend: str,
@@ -259,7 +365,7 @@ def pair_fit(pair: PairSpec, backend: str, device: str, memory: int, context: in
                           pair.drafter.arch if pair.drafter else None, dtype)
     return fit(model_sizing(pair.target, backend, dtype), drafter, memory, context,
                backend, device, dtype, verify,
-               state_slots(pair.drafter_kind, pair.k, pair.target.arch, dtype))
+               state_slots(pair.drafter_kind, pair.k, pair.target.arch, dtype), pair.k)
 
 
 def _gb(n: int) -> str:

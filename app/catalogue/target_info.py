@@ -84,16 +84,88 @@ def arch_from_config(config: dict[str, Any]) -> Arch:
                 head_dim=int(c.get("head_dim") or hidden // heads),
                 vocab=int(c["vocab_size"]),
                 context=int(c.get("max_position_embeddings") or 4096),
-                mtp_layers=mtp_layers(config), kv_layers=_kv_layers(c),
-                stream=stream_state(config), **_experts(c))
+                mtp_layers=mtp_layers(config), kv_layers=len(_kv_types(c)),
+                stream=stream_state(config), **_experts(c), **_window(c), **_full_geometry(c))
 
 
-def _kv_layers(c: dict[str, Any]) -> int:
-    """The layers that keep KV where layer types are listed (0: every layer does); Gemma 4's
-    last num_kv_shared_layers reuse an earlier layer's keys and values, so keep none."""
-    types = c.get("layer_types") or c.get("layers_block_type") or []
-    attention = sum(t in ("full_attention", "sliding_attention", "attention") for t in types)
-    return attention - int(c.get("num_kv_shared_layers") or 0) if attention else 0
+_ATTENTION = ("full_attention", "sliding_attention", "attention")
+SLIDING = "sliding_attention"
+# the sliding pattern transformers 5.25's config classes build where a config.json lists no
+# layer_types: all but every nth layer slide (Gemma 2 and gpt-oss alternate); a config's
+# sliding_window_pattern overrides it (Gemma 3, Cohere 2)
+_PATTERNS = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "gemma4_text": 6, "cohere2": 4}
+GEMMA4_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's global_head_dim where a config omits it
+
+
+def _layer_types(c: dict[str, Any]) -> list[str]:
+    """Each layer's type as transformers 5.25 gives it: the listed ones, else from the window
+    fields (none for a model without a window)."""
+    listed = c.get("layer_types") or c.get("layers_block_type")
+    if listed:
+        return list(listed)
+    layers = int(c.get("num_hidden_layers") or 0)
+    if not c.get("sliding_window") or c.get("use_sliding_window") is False:
+        return []
+    if "use_sliding_window" in c:  # Qwen2's: the layers from max_window_layers on slide
+        first = int(c.get("max_window_layers") or 0)
+        return ["full_attention" if i < first else SLIDING for i in range(layers)]
+    pattern = c.get("sliding_window_pattern") or _PATTERNS.get(str(c.get("model_type")))
+    if pattern:
+        return [SLIDING if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    # Mistral, Phi-3, Starcoder2: transformers' cache windows every layer
+    return [SLIDING] * layers
+
+
+def _kv_types(c: dict[str, Any]) -> list[str]:
+    """The types of the layers that keep KV where layer types are known (none listed: every
+    layer does); Gemma 4's last num_kv_shared_layers reuse an earlier layer's keys and values,
+    so keep none."""
+    types = _layer_types(c)
+    kept = types[:len(types) - int(c.get("num_kv_shared_layers") or 0)]
+    return [t for t in kept if t in _ATTENTION]
+
+
+def _window(c: dict[str, Any]) -> dict[str, int]:
+    """The sliding window and how many KV-keeping layers slide (none without both)."""
+    sliding = _kv_types(c).count(SLIDING)
+    window = int(c.get("sliding_window") or 0)
+    return {"window": window, "sliding_layers": sliding} if sliding and window else {}
+
+
+def _full_geometry(c: dict[str, Any]) -> dict[str, Any]:
+    """The full-attention layers' KV heads and head dim where they differ from the sliding
+    layers' (Gemma 4), and whether their values come from their keys' projection."""
+    types = _kv_types(c)
+    if SLIDING not in types or "full_attention" not in types:
+        return {}
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    full = _per_layer_full(c, heads, dim) or _global_full(c, heads, dim)
+    k_eq_v = bool(c.get("attention_k_eq_v"))
+    if full == (heads, dim) and not k_eq_v:
+        return {}
+    return {"full_kv_heads": full[0], "full_head_dim": full[1], "k_eq_v": k_eq_v}
+
+
+def _per_layer_full(c: dict[str, Any], heads: int, dim: int) -> tuple[int, int] | None:
+    """The largest full layer's (kv heads, head dim) from per_layer_config, keyed by layer
+    index ("05"), as transformers 5.25 saves a Gemma 4 config; None where it has none."""
+    overrides = c.get("per_layer_config") or {}
+    types = _layer_types(c)
+    found = [(int(o.get("num_key_value_heads") or heads), int(o.get("head_dim") or dim))
+             for key, o in overrides.items()
+             if str(key).isdigit() and int(key) < len(types) and types[int(key)] != SLIDING]
+    return max(found, key=lambda hd: hd[0] * hd[1]) if found else None
+
+
+def _global_full(c: dict[str, Any], heads: int, dim: int) -> tuple[int, int]:
+    """Gemma 4's global_head_dim and, only where attention_k_eq_v (as transformers and mlx-lm
+    read it), num_global_key_value_heads; the sliding geometry for other models."""
+    if "global_head_dim" not in c and c.get("model_type") != "gemma4_text":
+        return heads, dim
+    global_heads = c.get("num_global_key_value_heads")
+    return (int(global_heads) if c.get("attention_k_eq_v") and global_heads else heads,
+            int(c.get("global_head_dim") or GEMMA4_GLOBAL_HEAD_DIM))
 
 
 def _experts(c: dict[str, Any]) -> dict[str, int]:

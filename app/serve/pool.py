@@ -54,10 +54,10 @@ def parse_duration(value: Any, what: str = "keep_alive") -> float:
 
 
 def need_bytes(fit: sizing.Fit, context: int = NEED_CONTEXT) -> int:
-    """Weights of the target and drafter, and their KV cache for one stream of `context`."""
+    """Weights of the target and drafter, and their KV cache for one stream of `context`
+    (a sliding window's rows included)."""
     tokens = min(context, fit.context_limit or context)
-    return (fit.target_weights_bytes + fit.drafter_weights_bytes
-            + tokens * (fit.target_kv_per_token + fit.drafter_kv_per_token))
+    return fit.target_weights_bytes + fit.drafter_weights_bytes + fit.kv_bytes(tokens)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 import pandas as pd
@@ -23,6 +23,9 @@ from app.ui.chat import notice
 from app.ui.render import human_bytes
 from app.ui.train import build_train_controls
 from app.ui.workbench import Choice, Workbench
+
+if TYPE_CHECKING:
+    from app.catalogue.sizing import Fit
 
 COLUMNS = ("pair", "drafter", "auto picks", "k", "status", "download", "on disk", "memory",
            "drafter weights", "KV / token target + drafter", "backends",
@@ -98,8 +101,7 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
         fit = r.fit
         memory = human_bytes(fit.memory_bytes) if fit is not None else "—"
         drafter_weights = human_bytes(fit.drafter_weights_bytes) if fit is not None else "—"
-        kv = (f"{human_bytes(fit.target_kv_per_token)} + {human_bytes(fit.drafter_kv_per_token)}"
-              if fit is not None else "—")
+        kv = _kv_cell(fit) if fit is not None else "—"
         if fit is None:
             context = streams = "—"
         elif not fit.target_fits:
@@ -112,6 +114,14 @@ def catalogue_frame(bench: Workbench) -> pd.DataFrame:
                      human_bytes(r.disk_bytes) if r.disk_bytes else "—", memory,
                      drafter_weights, kv, ", ".join(p.backends), context, streams))
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _kv_cell(fit: Fit) -> str:
+    """KV per token of target and drafter, and a sliding window's bytes per stream beside it
+    (what the window costs each stream of FIT_CONTEXT tokens, whatever the context)."""
+    cell = f"{human_bytes(fit.target_kv_per_token)} + {human_bytes(fit.drafter_kv_per_token)}"
+    window = sum(fit.window_bytes)
+    return cell + (f", window {human_bytes(window)} / stream" if window else "")
 
 
 def pair_details(bench: Workbench, pair_id: str | None) -> str:

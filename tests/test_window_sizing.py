@@ -159,3 +159,33 @@ def test_a_valid_window_loads():
     e4b = load_catalogue().model("gemma-4-e4b").arch
     assert (e4b.window, e4b.sliding_layers, e4b.full_layers, e4b.full_head_dim) == \
         (512, 20, 4, 512)
+
+
+def _kv_held(session) -> int:
+    """The bytes of keys and values a torch session's cache layers hold now."""
+    return sum(t.numel() * t.element_size() for layer in session._cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if t is not None)
+
+
+def test_the_planners_window_is_what_a_tiny_torch_gemma_3_cache_keeps():
+    pytest.importorskip("torch")
+    from backends.torch import attention
+    from tests.tiny_families import WINDOW, tiny_family
+
+    target, k = tiny_family("gemma3_text", 2, attention=attention.register()), 4
+    prompt = [5, 9, 3, 7, 11, 2, 4, 8, 13, 6, 10, 12, 5, 9, 3, 7]  # twice the window
+    arch = target_info.arch_from_config(target.hf.config.to_dict())
+    assert (arch.window, arch.sliding_layers, arch.full_layers) == (WINDOW, 3, 1)
+    counted = sizing.arch_sizing(arch, 0, "torch", "float32")
+    session = target.start()
+    session.forward(prompt)
+    session.rewind(len(prompt))  # commits: the window's layers keep window - 1 rows
+    session.forward(prompt[:1])  # a plain step holds the window
+    assert _kv_held(session) == counted.kv_bytes(len(prompt) + 1) == \
+        1 * 2 * 8 * 2 * 4 * 17 + 3 * 2 * 8 * 2 * 4 * WINDOW
+    session.rewind(len(prompt) + 1)
+    session.forward(prompt[:k + 1], n_logits=k + 1)  # a verify of k drafts, before keep
+    tokens = len(prompt) + 1 + k + 1
+    assert _kv_held(session) == counted.kv_bytes(tokens, spare=k) == \
+        1 * 2 * 8 * 2 * 4 * tokens + 3 * 2 * 8 * 2 * 4 * (WINDOW + k)

@@ -125,6 +125,11 @@ def open_mtp(target: Any) -> MtpCheckpoint:
     config, layout, names = read_layout(folder) if folder is not None else ({}, None, {})
     if has_dspark_stages(config):
         raise SpecdeckError(dspark_stages_refusal(target.name, config))
+    if layout is None and mtp_layers(config) > 0:  # a conversion dropped the tensors
+        raise SpecdeckError(f"{target.name} has no native MTP layers (its config declares "
+                            f"{mtp_layers(config)}, its files hold no MTP tensors): give "
+                            "--draft MTP_DIR (the layer published apart, or the original "
+                            "checkpoint), or pick another drafter, e.g. --drafter ngram")
     if layout is None:
         raise SpecdeckError(f"{target.name} has no native MTP layers (its config names no "
                             "num_nextn_predict_layers with MTP tensors): pick another drafter, "

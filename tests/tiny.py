@@ -78,11 +78,18 @@ def mlx_twin(model: TorchModel, folder: Path):
     return MlxBackend().load(str(save_hf_folder(model, folder)), device="cpu", dtype="float32")
 
 
+# the GGUF architecture llama.cpp's converter writes each model type as, and what it adds to
+# every `*norm.weight` (convert_hf_to_gguf.py: Gemma3Model.norm_shift is 1.0, since
+# Gemma3RMSNorm scales by 1 + w; MistralForCausalLM converts as a llama)
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+LLAMA_CPP_NORM_SHIFT = {"gemma3": 1.0}
+
+
 def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
-    """A tiny llama's (or qwen3's) weights as a GGUF file, its matrices quantized to `kind`
-    (a legacy type the gguf package quantizes), norms in F32, a llama's query and key rows in
-    llama.cpp's order; its config and tokenizer go where the torch backend's first load would
-    put them."""
+    """A tiny model's weights as a GGUF file in llama.cpp's convention (architecture, norm
+    shift, a llama's query and key rows in its rotary order), its matrices quantized to
+    `kind` (a legacy type the gguf package quantizes), norms in F32; its config and tokenizer
+    go where the torch backend's first load would put them."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
@@ -90,7 +97,8 @@ def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     from backends.torch.gguf_model import _qk_order
 
     hf, config = model.hf, model.hf.config
-    architecture = config.model_type
+    architecture = GGUF_ARCH.get(config.model_type, config.model_type)
+    shift = LLAMA_CPP_NORM_SHIFT.get(architecture, 0.0)
     writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -100,8 +108,11 @@ def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     state = hf.state_dict()
-    for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
+    table = get_gguf_hf_weights_map(hf, TensorProcessor(), model_type=architecture)
+    for gguf_name, hf_name in table.items():
         weight = state[hf_name].float().numpy()
+        if hf_name.endswith("norm.weight"):
+            weight = weight + shift
         order = _qk_order(gguf_name, config, architecture)
         if order is not None:
             stored = np.empty_like(weight)

@@ -96,13 +96,17 @@ class Part:
 
 
 class GgufLinear(torch.nn.Module):
-    """x [..., in] float -> [..., out] float32: the parts' outputs side by side."""
+    """x [..., in] float -> [..., out] float32: the parts' outputs side by side. input_order:
+    for a stored matrix whose columns are in another order than the layer's inputs, the
+    input each stored column reads (columns cross quantization blocks; inputs do not)."""
 
-    def __init__(self, parts: list[Part]) -> None:
+    def __init__(self, parts: list[Part], input_order: np.ndarray | None = None) -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("parts of one layer read inputs of one width")
         self.parts = parts  # plain attribute: the file's bytes are no module state
+        self.input_order = (None if input_order is None
+                            else torch.from_numpy(np.asarray(input_order, dtype=np.int64)))
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None
@@ -112,13 +116,17 @@ class GgufLinear(torch.nn.Module):
         """The layer restricted to output rows ids (one-part layers only)."""
         if len(self.parts) != 1:
             raise ValueError("only a one-part layer can be restricted to rows")
-        return GgufLinear([self.parts[0].rows(ids.cpu().numpy())])
+        order = None if self.input_order is None else self.input_order.numpy()
+        return GgufLinear([self.parts[0].rows(ids.cpu().numpy())], order)
 
     def stored_bytes(self) -> int:
         return sum(p.resident_bytes() for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        flat = x.reshape(-1, self.in_features).float()
+        if self.input_order is not None:
+            flat = flat.index_select(1, self.input_order)
+        flat = flat.contiguous()
         out = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
         if flat.shape[0] and self._tiled is not None:
             kquant.matmul_parts(self._tiled, flat, out)
@@ -141,20 +149,24 @@ def _tiled(parts: list[Part]) -> kquant.Parts | None:
 
 
 class GgufEmbedding(torch.nn.Module):
-    """Token ids -> float32 rows of a stored table, each row dequantized when looked up."""
+    """Token ids -> float32 rows of a stored table, each row dequantized when looked up, and
+    scaled where the module it replaces scaled them (`scale`: Gemma's sqrt(hidden))."""
 
-    def __init__(self, tensors: GgufTensors, name: str) -> None:
+    def __init__(self, tensors: GgufTensors, name: str, scale: float | None = None) -> None:
         super().__init__()
         self.info = tensors.infos[name]
         self.data = tensors.bytes_of(name)
         self.num_embeddings, self.embedding_dim = self.info.rows, self.info.row_length
+        # a float32 tensor, as transformers' ScaledWordEmbedding multiplies by its buffer
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).numpy()
         table = self.data.reshape(self.num_embeddings, -1)
         values = dequantize(table[flat], GGMLQuantizationType(self.info.ggml_type))
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        return out.reshape(*ids.shape, self.embedding_dim)
+        out = out.reshape(*ids.shape, self.embedding_dim)
+        return out if self.scale is None else out * self.scale
 
     def stored_bytes(self) -> int:
         return int(self.data.nbytes)

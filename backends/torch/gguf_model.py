@@ -194,17 +194,28 @@ def _qk_order(gguf_name: str, config: Any, architecture: str) -> np.ndarray | No
     return np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+# what llama.cpp's converter added to every `*norm.weight` of these families (their norms
+# scale by 1 + w, stored as 1 + w so llama.cpp multiplies by it; Gemma 4's scale by w):
+# subtracted again here, as transformers' GGUF reader does
+NORM_SHIFT = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0}
+
+
 def _attach_rest(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
     """The embedding on the file's blocks; norms and other small tensors read as float32;
     buffers computed at init (rotary frequencies) computed again off the meta device."""
     embed = hf.get_input_embeddings()
     embed_name = names.get(next(n for n, m in hf.named_modules() if m is embed) + ".weight")
-    hf.set_input_embeddings(GgufEmbedding(tensors, embed_name or "token_embd.weight"))
+    # Gemma's embeddings scale their rows by sqrt(hidden) (its ScaledWordEmbedding)
+    hf.set_input_embeddings(GgufEmbedding(tensors, embed_name or "token_embd.weight",
+                                          getattr(embed, "scalar_embed_scale", None)))
+    shift = NORM_SHIFT.get(tensors.architecture, 0.0)
     for name, param in list(hf.named_parameters()):
         if name not in names:
             raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}")
-        _set(hf, name, torch.nn.Parameter(_float(tensors, names[name]).reshape(param.shape),
-                                          requires_grad=False))
+        value = _float(tensors, names[name]).reshape(param.shape)
+        if shift and name.endswith("norm.weight"):
+            value = value - shift
+        _set(hf, name, torch.nn.Parameter(value, requires_grad=False))
     for module_name, module in list(hf.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             _rebuild(hf, module_name, module)

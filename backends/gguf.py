@@ -221,8 +221,8 @@ def convert_with_transformers(gguf: Path, dest: Path) -> None:
 
 def read_error(gguf: Path, error: Exception) -> SpecdeckError:
     """What went wrong reading a GGUF through transformers: an architecture it reads no GGUF
-    of (Qwen3.5's qwen35, Qwen3-Next's qwen3next), with the routes that do load the model,
-    else a partial or damaged file."""
+    of (Qwen3-Next's qwen3next; Qwen3.5's qwen35 where transformers predates its reader,
+    which 5.25 has), with the routes that do load the model, else a partial or damaged file."""
     if "is not supported yet" in str(error):
         arch = architecture(gguf) or "its"
         return SpecdeckError(

@@ -1,9 +1,11 @@
 """A transformers model whose weights are a GGUF file's own tensors, computed by ggml.
 
 Knows: the gguf package's tensor name table (gguf tensor name <-> HF parameter name), the fused
-projection layout of fuse.py, llama.cpp's row order for LLaMA's query and key weights, the
-layers of gguf_layers.py and which kernel takes a tensor. Must not know: sessions, drafting,
-dtypes other than the file's own.
+projection layout of fuse.py, llama.cpp's row order for LLaMA's query and key weights, which
+architectures store values transformed (qwen35's, undone by qwen35_layout.py; the families
+whose layout no layer here maps, and what loads them instead), the layers of gguf_layers.py
+and which kernel takes a tensor. Must not know: sessions, drafting, dtypes other than the
+file's own.
 
 The model is built on the meta device from the GGUF's config, then each linear layer becomes
 a GgufLinear (kquant's tiles repacked from the file's blocks, or ggml on the memory-mapped
@@ -28,26 +30,38 @@ from app.core.types import SpecdeckError
 from backends.gguf import metadata_folder
 from backends.gguf_header import architecture
 from backends.gguf_tensors import GgufTensors, open_tensors
-from backends.torch import ggml, kquant
+from backends.torch import ggml, kquant, qwen35_layout
 from backends.torch.fuse import GROUPS, FusedProjection, ProjectionSlice
 from backends.torch.gguf_layers import GgufEmbedding, GgufLinear, Part
 
 # GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
 # layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
 PERMUTED_QK = frozenset({"llama"})
-# hybrid families whose converter stored recurrent tensors transformed (A as -exp(A_log), the
-# conv kernel squeezed, (1 + w) norms offset by one): the blocks path maps names, not values,
-# so these load through transformers' own reader (which undoes them), or not on blocks at all
-TRANSFORMED = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+# hybrid families llama.cpp stores transformed as qwen35 and with their experts as one 3-D
+# tensor per projection, which no layer here computes on: why not, and what loads them
+_EXPERTS = ("llama.cpp stores a {} GGUF's recurrent tensors transformed and its experts as "
+            "3-D tensors, and specdeck's blocks path maps no expert tensor")
+UNMAPPED = {
+    "qwen35moe": (_EXPERTS, "use --dtype auto (transformers reads it into memory) or the "
+                            "safetensors checkpoint"),
+    "qwen3next": (_EXPERTS, "give the model's safetensors checkpoint (its HF folder, as "
+                            "--target FOLDER), or run the file with --backend llamacpp "
+                            "(transformers reads no qwen3next GGUF)"),
+}
 
 
 def blocks_reason(architecture: str | None) -> str | None:
     """Why a GGUF of this architecture cannot compute on its own blocks here, or None."""
-    if architecture in TRANSFORMED:
-        return (f"llama.cpp stores a {architecture} GGUF's recurrent tensors transformed "
-                "(A as -exp(A_log), conv kernels squeezed, norms offset by one), which "
-                "specdeck's blocks path does not undo")
+    if architecture in UNMAPPED:
+        return UNMAPPED[architecture][0].format(architecture)
     return None
+
+
+def blocks_route(architecture: str | None) -> str:
+    """What loads a GGUF whose blocks this path refuses."""
+    if architecture in UNMAPPED:
+        return UNMAPPED[architecture][1]
+    return "use --dtype auto (transformers reads it into memory) or the safetensors checkpoint"
 
 
 def unavailable_reason() -> str | None:
@@ -60,10 +74,11 @@ def unavailable_reason() -> str | None:
 
 def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of a .gguf whose linear layers compute on the file's blocks."""
-    reason = blocks_reason(architecture(path))
+    arch = architecture(path)
+    reason = blocks_reason(arch)
     if reason is not None:
-        raise SpecdeckError(f"--dtype gguf cannot run {path.name}: {reason}; use --dtype auto "
-                            "(transformers reads it into memory) or the safetensors checkpoint")
+        raise SpecdeckError(f"--dtype gguf cannot run {path.name}: {reason}; "
+                            f"{blocks_route(arch)}")
     folder = metadata_folder(path)
     config = AutoConfig.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -109,15 +124,27 @@ def _hf_names(hf: Any, tensors: GgufTensors) -> dict[str, str]:
     table = get_tensor_name_map(arch, int(hf.config.num_hidden_layers))
     names = {}
     for hf_name in hf.state_dict():
-        stem, dot, suffix = hf_name.rpartition(".")
-        gguf = table.get_name(stem) if dot else None
-        if gguf is not None and f"{gguf}.{suffix}" in tensors.infos:
-            names[hf_name] = f"{gguf}.{suffix}"
+        gguf = _gguf_name(table, tensors, hf_name)
+        if gguf is not None:
+            names[hf_name] = gguf
     head = hf.get_output_embeddings()
     head_name = next(n for n, m in hf.named_modules() if m is head) + ".weight"
     if head_name not in names and "token_embd.weight" in tensors.infos:
         names[head_name] = "token_embd.weight"  # tied: the output layer reads the embedding
     return names
+
+
+def _gguf_name(table: Any, tensors: GgufTensors, hf_name: str) -> str | None:
+    """The stored name of a parameter, as the converter named it: its module mapped and its
+    leaf kept, else the whole name mapped (qwen35's A_log is stored as blk.N.ssm_a)."""
+    if tensors.architecture in qwen35_layout.ARCHITECTURES:
+        hf_name = qwen35_layout.converter_name(hf_name)
+    stem, dot, suffix = hf_name.rpartition(".")
+    module = table.get_name(stem) if dot else None
+    if module is not None and f"{module}.{suffix}" in tensors.infos:
+        return f"{module}.{suffix}"
+    whole = table.get_name(hf_name)
+    return whole if whole in tensors.infos else None
 
 
 def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
@@ -127,8 +154,10 @@ def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> Non
         _fuse_groups(module, prefix[module], hf.config, tensors, names)
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
-                part = _part(f"{_join(prefix[module], child_name)}", hf.config, tensors, names)
-                setattr(module, child_name, GgufLinear([part]))
+                name = _join(prefix[module], child_name)
+                part = _part(name, hf.config, tensors, names)
+                setattr(module, child_name,
+                        GgufLinear([part], _input_order(name, hf.config, tensors.architecture)))
 
 
 def _fuse_groups(module: torch.nn.Module, name: str, config: Any, tensors: GgufTensors,
@@ -150,7 +179,7 @@ def _part(name: str, config: Any, tensors: GgufTensors, names: dict[str, str]) -
         raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}: the file does not "
                             "match its own config; download it again")
     info = tensors.infos[weight]
-    order = _qk_order(weight, config, tensors.architecture)
+    order = _row_order(name, weight, config, tensors.architecture)
     packed = _packed(tensors, weight, order)
     if packed is None and not ggml.can_compute(info.ggml_type):
         why = ggml.unavailable_reason() or f"ggml has no CPU kernel for {info.type_name}"
@@ -176,6 +205,20 @@ def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.nda
     if order is not None:
         stored = stored.reshape(info.rows, -1)[order]
     return kquant.pack(info.ggml_type, stored, info.rows, info.row_length)
+
+
+def _row_order(name: str, gguf_name: str, config: Any, architecture: str) -> np.ndarray | None:
+    """The stored row each HF row of a weight is, where the converter moved rows; else None."""
+    if architecture in qwen35_layout.ARCHITECTURES:
+        return qwen35_layout.row_order(f"{name}.weight", config)
+    return _qk_order(gguf_name, config, architecture)
+
+
+def _input_order(name: str, config: Any, architecture: str) -> np.ndarray | None:
+    """Which input each stored column reads, where the converter moved columns; else None."""
+    if architecture in qwen35_layout.ARCHITECTURES:
+        return qwen35_layout.input_order(f"{name}.weight", config)
+    return None
 
 
 def _qk_order(gguf_name: str, config: Any, architecture: str) -> np.ndarray | None:
@@ -212,7 +255,7 @@ def _attach_rest(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
     for name, param in list(hf.named_parameters()):
         if name not in names:
             raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}")
-        value = _float(tensors, names[name]).reshape(param.shape)
+        value = _stored_value(tensors, names[name], name, hf.config).reshape(param.shape)
         if shift and name.endswith("norm.weight"):
             value = value - shift
         _set(hf, name, torch.nn.Parameter(value, requires_grad=False))
@@ -230,6 +273,14 @@ def _rebuild(hf: Any, name: str, module: torch.nn.Module) -> None:
                             f"{error}") from error
     parent, _, leaf = name.rpartition(".")
     setattr(hf.get_submodule(parent) if parent else hf, leaf, fresh)
+
+
+def _stored_value(tensors: GgufTensors, gguf_name: str, name: str, config: Any) -> torch.Tensor:
+    """A small tensor as float32, flat, with what the converter did to its values undone."""
+    value = _float(tensors, gguf_name)
+    if tensors.architecture in qwen35_layout.ARCHITECTURES:
+        return qwen35_layout.undo(name, value, config)
+    return value
 
 
 def _float(tensors: GgufTensors, name: str) -> torch.Tensor:

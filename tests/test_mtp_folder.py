@@ -157,3 +157,16 @@ def test_the_flags_load_the_folder_as_the_mtp_layer(folders, drafter, head):
     plain = list(SpecEngine(loaded.engine.target).generate(
         PROMPT, SamplingParams(max_new_tokens=12)))[-1]
     assert done.token_ids == plain.token_ids and done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_on_a_target_whose_files_dropped_its_mtp_layers_falls_back_and_says_why(
+        folders, backend):
+    loaded = load_engine(SimpleNamespace(
+        k="auto", target=str(without_mtp(folders["qwen3_5"])), drafter="auto", draft=None,
+        backend=backend, device="cpu", dtype="float32", tree=False, no_history=True))
+    assert loaded.drafter_name != "mtp"
+    assert any("declares 1 MTP layer(s) but its files hold none" in note and "--draft MTP_DIR"
+               in note for note in loaded.notes)
+    done = list(loaded.engine.generate(PROMPT, SamplingParams(max_new_tokens=12)))[-1]
+    assert done.error is None

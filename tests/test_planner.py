@@ -47,16 +47,20 @@ def config(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def model_folder(tmp_path: Path, name: str, params: int = 0) -> Path:
-    """An HF folder: a real config.json, and a safetensors file of `params` elements."""
+def model_folder(tmp_path: Path, name: str, params: int = 0, tensor: str = "w") -> Path:
+    """An HF folder: a real config.json, and a safetensors file of `params` elements, under
+    the tensor name given."""
     from safetensors.numpy import save_file
 
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config(name)))
     if params:
-        save_file({"w": np.zeros(params, dtype=np.float16)}, str(folder / "model.safetensors"))
+        save_file({tensor: np.zeros(params, dtype=np.float16)}, str(folder / "model.safetensors"))
     return folder
+
+
+MIMO_MTP = "model.mtp_layers.0.token_layernorm.weight"  # a name of MiMo's own MTP layer
 
 
 @pytest.fixture(autouse=True)
@@ -187,17 +191,24 @@ def test_parse_bytes_reads_the_usual_units():
 
 
 def test_a_target_with_mtp_layers_drafts_with_them(tmp_path):
-    folder = model_folder(tmp_path, "mimo-7b-rl", params=1000)
+    folder = model_folder(tmp_path, "mimo-7b-rl", params=1000, tensor=MIMO_MTP)
     plan = planner.plan(str(folder), "torch", "cuda", 80 * GB)
     assert plan.choice.kind == "mtp" and "1 native MTP layer" in plan.choice.reason
     assert plan.fit.drafter_weights_bytes == 0  # the MTP layer lives in the target's weights
     assert plan.fit.drafter_kv_per_token == 1 * 8 * 128 * 2 * 2
 
 
+def test_mtp_layers_its_files_dropped_are_not_planned_and_the_reason_names_the_fix(tmp_path):
+    plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
+                        "cuda", 80 * GB)
+    assert plan.choice.kind != "mtp"
+    assert any(o.kind == "mtp" and "its files hold none" in o.reason for o in plan.absent)
+
+
 def test_mtp_layers_are_refused_with_the_reason_where_the_backend_does_not_build_mtp(
         tmp_path):
-    plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000)), "torch",
-                        "cuda", 80 * GB, runs=building(*TORCH_RUNS.builds - {"mtp"}))
+    plan = planner.plan(str(model_folder(tmp_path, "mimo-7b-rl", params=1000, tensor=MIMO_MTP)),
+                        "torch", "cuda", 80 * GB, runs=building(*TORCH_RUNS.builds - {"mtp"}))
     assert plan.choice.kind == "lookahead"  # on CUDA the model-free tree comes before lookup
     assert [o.kind for o in plan.refused] == ["mtp"] and refused_as_unbuilt(plan) == {"mtp"}
 

@@ -282,7 +282,10 @@ def _absent(info: TargetInfo, candidates: list[Option],
             kinds: tuple[str, ...]) -> tuple[Option, ...]:
     """The kinds of the order with no candidate for this target, each with why."""
     offered = {o.kind for o in candidates}
-    why = {OWN: "the target carries no MTP layers",
+    own = (f"its config declares {info.mtp_dropped} MTP layer(s) but its files hold none (a "
+           "conversion dropped them): --draft MTP_DIR gives them back" if info.mtp_dropped
+           else "the target carries no MTP layers")
+    why = {OWN: own,
            SHIPPED: "the catalogue ships none for this target",
            DRAFT: f"the catalogue has no smaller {info.family} model" if info.family
            else "its family is unknown, so no draft model is known to share its tokenizer"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from app.catalogue.registry import Arch, Catalogue, ModelSpec, load_catalogue
 from app.catalogue.states import stream_state
 from app.core.types import SpecdeckError
 from app.drafters.own_layers import mtp_layers
+from backends.heads.mtp_format import detect_mtp
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class TargetInfo:
     params: int
     arch: Arch
     path: Path | None = None  # local file or folder, when given one
+    # MTP layers its config declares that its files no longer hold (a conversion dropped
+    # them): arch counts none, and the planner says so
+    mtp_dropped: int = 0
 
 
 def describe(target: str, catalogue: Catalogue | None = None) -> TargetInfo:
@@ -38,9 +42,10 @@ def describe(target: str, catalogue: Catalogue | None = None) -> TargetInfo:
         return TargetInfo(target, model, model.family, model.params, model.arch)
     path = Path(target).expanduser()
     if path.exists():
-        arch, params = _local_numbers(path)
+        arch, params, dropped = _local_numbers(path)
         same = _same_arch(arch, catalogue)  # its family tells which drafts share the tokenizer
-        return TargetInfo(target, same, same.family if same else None, params, arch, path)
+        return TargetInfo(target, same, same.family if same else None, params, arch, path,
+                          dropped)
     raise SpecdeckError(f"unknown target {target!r}: give a pair id or model from `specdeck "
                         "models`, a catalogue hub id, or a local HF folder or .gguf file")
 
@@ -176,7 +181,8 @@ def _experts(c: dict[str, Any]) -> dict[str, int]:
     return {"experts": experts, "expert_ffn": ffn if experts else 0}
 
 
-def _local_numbers(path: Path) -> tuple[Arch, int]:
+def _local_numbers(path: Path) -> tuple[Arch, int, int]:
+    """A local target's arch, parameters and MTP layers its files dropped."""
     if path.is_dir():
         try:
             config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -184,18 +190,27 @@ def _local_numbers(path: Path) -> tuple[Arch, int]:
         except (OSError, ValueError, KeyError) as error:
             raise SpecdeckError(f"cannot read {path / 'config.json'}: {error}. Give an HF "
                                 "model folder") from error
-        params = sum(_safetensors_params(f) for f in path.glob("*.safetensors"))
-        return arch, params or _estimate_params(arch)
+        headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
+        names = [name for header in headers for name in header if name != "__metadata__"]
+        dropped = 0
+        if arch.mtp_layers and names and detect_mtp(config, names) is None:
+            # a conversion that dropped the layers (mlx-lm's): auto must not pick mtp on it
+            arch, dropped = replace(arch, mtp_layers=0), arch.mtp_layers
+        params = sum(_params(header) for header in headers)
+        return arch, params or _estimate_params(arch), dropped
     if path.suffix == ".gguf":
-        return _gguf_numbers(path)
+        return (*_gguf_numbers(path), 0)
     raise SpecdeckError(f"{path} is neither an HF model folder nor a .gguf file")
 
 
-def _safetensors_params(file: Path) -> int:
-    """Element count from a safetensors header (8-byte length, then JSON); no tensor read."""
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header (8-byte length, then JSON); no tensor read."""
     with file.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+        return json.loads(f.read(length))
+
+
+def _params(header: dict[str, Any]) -> int:
     return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from app import drafters
 from app.core.engine import SpecEngine, check_k
 from app.core.types import SpecdeckError
-from app.drafters.kinds import fallback, require
+from app.drafters.kinds import BY_NAME, fallback, require
 from app.pair import LoadSpec, Pair, folder_head_kind
 from backends import runs_of
 
@@ -94,8 +94,8 @@ def _kind_before_loading(args: Any, spec: LoadSpec, tree: bool
         spec = replace(spec, draft=None, head=spec.draft)
     if kind != "auto":
         if given_head and kind in drafters.NEEDS_DRAFT_MODEL:
-            raise SpecdeckError(f"{spec.head} is {_a_head(given_head)}, not a draft model: use "
-                                f"--drafter {given_head}")
+            raise SpecdeckError(f"{spec.head} is {BY_NAME[given_head].description}, not a "
+                                f"draft model: use --drafter {given_head}")
     elif given_head:
         kind, notes = given_head, (f"drafter: {given_head}, the head {spec.head} (given)",)
     else:
@@ -130,8 +130,3 @@ def _runnable(kind: str, notes: tuple[str, ...], pair: Pair) -> tuple[str, tuple
     if refusal is None:
         return kind, notes
     return chosen, (f"drafter: {chosen} (not {kind}: {refusal.reason})", *notes[1:])
-
-
-def _a_head(kind: str) -> str:
-    return {"assistant": "Gemma 4's assistant",
-            "mtp": "an MTP layer published apart from its target"}.get(kind, "an EAGLE head")

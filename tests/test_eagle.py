@@ -297,7 +297,8 @@ def test_auto_with_a_head_folder_runs_the_head_and_a_draft_kind_refuses_it(deep_
     assert main([*common, "--drafter", "auto"]) == 0
     assert json.loads(capsys.readouterr().out)["drafter"] == "eagle3"
     assert main([*common, "--drafter", "draft"]) != 0
-    assert "is an EAGLE head, not a draft model: use --drafter eagle3" in capsys.readouterr().err
+    assert ("is an EAGLE-3 head on the target's hidden states, not a draft model: use "
+            "--drafter eagle3") in capsys.readouterr().err
 
 
 def test_norm_variants_and_qk_norms_load_and_apply(deep_target, heads, tmp_path):

@@ -189,3 +189,15 @@ def test_the_planners_window_is_what_a_tiny_torch_gemma_3_cache_keeps():
     tokens = len(prompt) + 1 + k + 1
     assert _kv_held(session) == counted.kv_bytes(tokens, spare=k) == \
         1 * 2 * 8 * 2 * 4 * tokens + 3 * 2 * 8 * 2 * 4 * (WINDOW + k)
+
+
+def test_a_served_windowed_targets_stream_counts_its_window_not_every_token(tmp_path):
+    from app.catalogue.sizing import loaded_stream_bytes
+    from tests.tiny import save_hf_folder
+    from tests.tiny_families import WINDOW, tiny_family
+
+    model = tiny_family("gemma3_text")  # 3 sliding layers (window 8) and 1 full, 2 x 8 wide
+    folder = save_hf_folder(model, tmp_path / "gemma3")
+    row = 2 * 8 * 2 * 4  # one layer's K and V of one token, float32
+    assert loaded_stream_bytes(model, str(folder), "torch", 200) == row * (200 + 3 * WINDOW)
+    assert loaded_stream_bytes(model, None, "torch", 200) == model.kv_bytes_per_token() * 200

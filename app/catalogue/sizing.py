@@ -226,6 +226,30 @@ def arch_sizing(arch: Arch, weights: int, backend: str, dtype: str) -> Sizing:
                   window_rows(arch, backend))
 
 
+def loaded_stream_bytes(model: Any, path: str | None, backend: str, context: int) -> int:
+    """What one stream of `context` tokens of a loaded model keeps beside its weights: this
+    module's KV (every token in the full layers, the window's rows in the sliding ones) and
+    a hybrid's recurrent state, over the config at `path`, in the model's own dtype. Where
+    the path does not read, the model's own count (`kv_bytes_per_token`: every layer at one
+    geometry) times the context; 0 when neither is known."""
+    own = getattr(model, "kv_bytes_per_token", None)
+    fallback = own() * context if own is not None else 0
+    if not path:
+        return fallback
+    from app.catalogue.target_info import describe
+
+    try:
+        arch = describe(path).arch
+    except SpecdeckError:  # a file the planner cannot read: the model's own count stands
+        return fallback
+    # torch's "int4" or "gguf", MLX's "4-bit/bfloat16": the cache's own width (4 unknown)
+    dtype = str(getattr(model, "dtype", "")).rsplit("/", 1)[-1]
+    width = _kv_bytes(dtype) if dtype in _DTYPE_BYTES or dtype == "gguf" else GGUF_KV_BYTES
+    size = Sizing(0, kv_bytes_per_token(arch, width), arch.context, arch.stream.bytes(width),
+                  window_row_bytes(arch, width), window_rows(arch, backend))
+    return size.kv_bytes(min(context, arch.context)) + size.state_bytes
+
+
 def weights_bytes(params: int, backend: str, dtype: str, fmt: str | None,
                   file_bytes: int | None = None) -> int:
     """A GGUF on its own blocks and MLX's quantized checkpoints take their bytes on disk

@@ -117,15 +117,19 @@ def stream_slots(args: argparse.Namespace, loaded: Any) -> Any:
     """The scheduler of the served target's streams: --parallel slots, fewer where memory
     holds fewer streams of --stream-context tokens (each slot's KV, the draft model's too)."""
     from app.catalogue import hardware
+    from app.catalogue.sizing import loaded_stream_bytes
     from app.runtime.streams import Streams, capacity, fork_engines
 
     engine = loaded.engine
     context = min(args.stream_context, engine.target.context_length)
-    target, draft = (getattr(m, "kv_bytes_per_token", lambda: 0)() if m is not None else 0
-                     for m in (engine.target, loaded.draft))
+    # the target's by its config (a window's fixed rows, a hybrid's state), as the planner
+    # counts it; the draft model's by its own count
+    path = getattr(getattr(loaded.pair, "spec", None), "target", None)
+    target = loaded_stream_bytes(engine.target, path, loaded.backend_name, context)
+    draft = loaded_stream_bytes(loaded.draft, None, loaded.backend_name, context) \
+        if loaded.draft is not None else 0
     free = hardware.available_memory(loaded.backend_name, args.device)
-    fit = capacity(args.parallel, (target + draft) * context, free, context,
-                   plain_stream_bytes=target * context)
+    fit = capacity(args.parallel, target + draft, free, context, plain_stream_bytes=target)
     return Streams(fork_engines(engine, fit.slots), loaded.rebuild or (lambda kind: None),
                    default=(loaded.drafter_name, engine.drafter), capacity=fit)
 

@@ -30,7 +30,7 @@ from gguf import (  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from backends.torch.backend import TorchModel  # noqa: E402
-from tests.tiny import tiny_tokenizer  # noqa: E402
+from tests.tiny import tiny_tokenizer, write_shape  # noqa: E402
 from tests.tiny_families import CONFIGS  # noqa: E402
 
 F32, F16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16)
@@ -93,14 +93,8 @@ def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32) -> Path:
 def _write_metadata(writer: GGUFWriter, config, kind: int) -> None:
     head_dim = int(config.head_dim)
     rope = config.rope_parameters
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    write_shape(writer, config)
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_file_type(_FILE_TYPES[kind])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,6 +86,17 @@ GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
 LLAMA_CPP_NORM_SHIFT = {"gemma3": 1.0}
 
 
+def write_shape(writer: Any, config: Any) -> None:
+    """The metadata keys of a decoder's shape, as llama.cpp's converter writes them."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
 def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     """A tiny model's weights as a GGUF file in llama.cpp's convention (architecture, norm
     shift, a llama's query and key rows in its rotary order), its matrices quantized to
@@ -100,13 +112,7 @@ def save_gguf(model: TorchModel, path: Path, kind: int) -> Path:
     architecture = GGUF_ARCH.get(config.model_type, config.model_type)
     shift = LLAMA_CPP_NORM_SHIFT.get(architecture, 0.0)
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    write_shape(writer, config)
     state = hf.state_dict()
     table = get_gguf_hf_weights_map(hf, TensorProcessor(), model_type=architecture)
     for gguf_name, hf_name in table.items():

@@ -3,7 +3,7 @@ nested rope_parameters and layer_types, Gemma 4's per_layer_config (transformers
 the full layers' head size and key heads there, not as global_head_dim), the text-only
 Qwen3.5 layout (model_type qwen3_5_text, `model.*` tensors) beside the multimodal one it
 expects (qwen3_5 with a text_config, `model.language_model.*`, `mtp.*` beside them),
-per-expert MoE tensors.
+per-expert MoE tensors, gpt-oss's fused experts as transformers 5 holds them.
 
 Knows: config keys and tensor names of the families mlx-lm loads. Must not know: caches,
 sessions, drafting.
@@ -12,15 +12,20 @@ sessions, drafting.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.utils import _get_classes  # load_model's own default, wrapped below
 
+from backends.mlx import exact
+
 # text-only model types transformers 5 writes, and the mlx-lm module reading them as a
 # text_config-less config
 _TEXT_ONLY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# gpt-oss's unquantized experts as transformers 5 saves them: [experts, in, out] matrices
+_OSS_EXPERT = re.compile(r"(.*\.mlp\.experts\.(?:gate_up|down)_proj)$")
 
 
 def config_fixes(config: dict[str, Any]) -> dict[str, Any]:
@@ -84,18 +89,45 @@ def _per_layer_heads(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_classes(config: dict[str, Any]) -> tuple[type, type]:
-    """mlx-lm's classes for config; Qwen3.5-MoE's also reads per-expert tensors, as
-    transformers 5 saves them, beside the fused ones mlx-lm expects."""
+    """mlx-lm's classes for config; Qwen3.5-MoE's also reads per-expert tensors and gpt-oss's
+    transformers' fused [experts, in, out] ones, as transformers 5 saves them, beside the
+    layouts mlx-lm expects; gpt-oss's and a windowed Mistral's compute as transformers'
+    (backends/mlx/exact.py)."""
     model, args = _get_classes(config)
-    if config.get("model_type") == "qwen3_5_moe":
-        return _fusing_experts(model), args
+    kind = config.get("model_type")
+    if kind == "qwen3_5_moe":
+        return _sanitizing_first(model, fuse_experts), args
+    if kind == "gpt_oss":
+        return exact.gpt_oss(_sanitizing_first(model, oss_experts), config), args
+    if exact.windows_every_layer(config):
+        return exact.every_layer_windowed(model), args
     return model, args
 
 
-def _fusing_experts(model: type) -> type:
+def _sanitizing_first(model: type, fix: Callable[[dict[str, mx.array]], dict[str, mx.array]],
+                      ) -> type:
+    """model, its sanitize reading the weights fix gives."""
     def sanitize(self: Any, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return model.sanitize(self, fuse_experts(weights))
+        return model.sanitize(self, fix(weights))
     return type(model.__name__, (model,), {"sanitize": sanitize})
+
+
+def oss_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """gpt-oss's `experts.gate_up_proj` and `experts.down_proj` as transformers 5 holds and
+    saves them ([experts, in, out], gate and up interleaved on the last axis) in the layout of
+    the published MXFP4 checkpoints dequantized ([experts, out, in], named `.weight`), which
+    mlx-lm's sanitize splits into gate and up rows. The biases are already in that layout.
+
+    Read by name, not shape: down_proj is square wherever hidden_size equals
+    intermediate_size (gpt-oss-20b's 2880 both), so its shape cannot tell the layouts apart.
+    """
+    out = {}
+    for name, value in weights.items():
+        if _OSS_EXPERT.match(name):
+            out[f"{name}.weight"] = mx.swapaxes(value, -1, -2)
+        else:
+            out[name] = value
+    return out
 
 
 def fuse_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

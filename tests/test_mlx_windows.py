@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch")
 import mlx.core as mx  # noqa: E402
 
 from app.core.engine import SpecEngine  # noqa: E402
-from app.core.types import SamplingParams  # noqa: E402
+from app.core.types import SamplingParams, SpecdeckError  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends.mlx.drafters import DraftModelDrafter  # noqa: E402
 from backends.mlx.exact import yarn_periods  # noqa: E402
-from backends.mlx.rewind import SPARE, WindowCache  # noqa: E402
+from backends.mlx.rewind import SPARE, WINDOW_CHAINS, WindowCache  # noqa: E402
 from backends.torch import attention  # noqa: E402
 from tests.tiny import mlx_twin  # noqa: E402
 from tests.tiny_families import WINDOW, tiny_family  # noqa: E402
@@ -137,6 +137,14 @@ def test_every_layer_of_a_windowed_mistral_on_mlx_holds_its_window_not_the_conte
     assert session.length == 300
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trees_are_refused_on_these_targets_on_mlx_for_their_window(family):
+    target = model(family)
+    assert target.capabilities.reason == WINDOW_CHAINS
+    with pytest.raises(SpecdeckError, match="cannot verify trees on MLX"):
+        target.start().forward([3, 4, 5], n_logits=3, parents=[-1, 0, 0])
+
+
 def test_gpt_oss_yarn_on_mlx_keeps_transformers_unrounded_range_at_gpt_oss_20bs_size():
     """gpt-oss-20b's rope (64-dim heads, 4096 original positions, truncate false): mlx-lm's
     rounded correction range moves its edge dimensions' frequencies, ours are transformers'."""
@@ -149,10 +157,9 @@ def test_gpt_oss_yarn_on_mlx_keeps_transformers_unrounded_range_at_gpt_oss_20bs_
                                inverse.numpy(), rtol=1e-6, atol=0)
 
 
-def test_gpt_oss_on_mlx_with_a_fractional_yarn_range_gives_transformers_logits(tmp_path):
-    """The tiny gpt-oss with 256 original positions, where its 8-dim heads' YaRN range is
-    fractional (0.08 to 1.24; mlx-lm's own rounding makes it 0 to 2 and misses by 1e-3):
-    loaded from one folder by transformers and MLX."""
+def _edited_gpt_oss_logits_on_both(folder: Path, edit: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The tiny gpt-oss saved with its config.json edited, loaded from that one folder by
+    transformers (eager) and by the MLX backend: both logits past the window."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -160,15 +167,28 @@ def test_gpt_oss_on_mlx_with_a_fractional_yarn_range_gives_transformers_logits(t
     from backends.mlx.backend import MlxBackend
     from tests.tiny import save_hf_folder
 
-    folder = save_hf_folder(torch_model("gpt_oss"), tmp_path / "gpt-oss")
+    folder = save_hf_folder(torch_model("gpt_oss"), folder)
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] |= {"original_max_position_embeddings": 256}
-    config["max_position_embeddings"] = 256 * 32  # YaRN's factor 32 over the original
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config | edit))
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     ids = [int(t) for t in np.arange(3 * WINDOW + 5) % 40 + 2]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].numpy()
     target = MlxBackend().load(str(folder), device="cpu", dtype="float32")
-    got = target.start().logits(ids, len(ids)).astype(mx.float32)
-    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=1e-4)
+    return np.array(target.start().logits(ids, len(ids)).astype(mx.float32)), want
+
+
+def test_gpt_oss_on_mlx_with_a_fractional_yarn_range_gives_transformers_logits(tmp_path):
+    """256 original positions, where the tiny 8-dim heads' YaRN range is fractional (0.08 to
+    1.24; mlx-lm's own rounding makes it 0 to 2 and misses by 1e-3)."""
+    rope = torch_model("gpt_oss").hf.config.rope_parameters
+    got, want = _edited_gpt_oss_logits_on_both(tmp_path / "gpt-oss", {
+        "rope_parameters": rope | {"original_max_position_embeddings": 256},
+        "max_position_embeddings": 256 * 32})  # YaRN's factor 32 over the original
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_gpt_oss_on_mlx_reads_its_configs_swiglu_slope_and_clamp(tmp_path):
+    got, want = _edited_gpt_oss_logits_on_both(tmp_path / "gpt-oss", {
+        "swiglu_alpha": 1.0, "swiglu_limit": 0.05})
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

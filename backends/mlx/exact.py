@@ -8,10 +8,13 @@ config, where mlx-lm's own reading differs:
   every layer reads the window mask;
 - gpt-oss's YaRN with `truncate: false` (the published checkpoints' config): transformers
   keeps the correction range unrounded, mlx-lm's YarnRoPE always rounds it (floor, ceil),
-  which moves the frequencies of the dimensions at its edges.
+  which moves the frequencies of the dimensions at its edges;
+- gpt-oss's swiglu_alpha and swiglu_limit, which mlx-lm's SwigluOAI takes at its defaults
+  (1.702, 7.0) whatever the config says.
 
 Knows: mlx-lm's llama and gpt_oss layer attributes (use_sliding, swa_idx, self_attn.rope and
-the periods its YarnRoPE hands mx.fast.rope), transformers' YaRN formula.
+the periods its YarnRoPE hands mx.fast.rope, mlp.experts.activation), transformers' YaRN
+formula.
 Must not know: weight names (layouts.py), sessions, rewinds, drafting.
 """
 
@@ -22,6 +25,7 @@ import math
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.activations import SwigluOAI
 
 
 def windows_every_layer(config: dict[str, Any]) -> bool:
@@ -42,24 +46,34 @@ def every_layer_windowed(model: type) -> type:
             layer.use_sliding = True
         self.model.swa_idx = 0
         self.model.layer_types = self.args.layer_types = ["sliding_attention"] * n
-    return type(model.__name__, (model,), {"__init__": __init__})
+    return subclass(model, {"__init__": __init__})
 
 
 def gpt_oss(model: type, config: dict[str, Any]) -> type:
-    """mlx-lm's gpt_oss Model class, its RoPE on transformers' unrounded YaRN range where the
-    config asks for it (truncate false); model itself otherwise."""
+    """mlx-lm's gpt_oss Model class with the config's SwiGLU clamp and slope, its RoPE on
+    transformers' unrounded YaRN range where the config asks for it (truncate false)."""
     scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type") != "yarn" or scaling.get("truncate", True):
-        return model
+    unrounded = scaling.get("rope_type") == "yarn" and scaling.get("truncate", True) is False
+    alpha, limit = float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))
 
     def __init__(self: Any, args: Any) -> None:
         model.__init__(self, args)
-        periods = yarn_periods(args.head_dim, float(args.rope_theta), scaling)
+        periods = yarn_periods(args.head_dim, float(args.rope_theta), scaling) \
+            if unrounded else None
         for layer in self.layers:
-            # the per-dimension periods mlx-lm's YarnRoPE passes to mx.fast.rope as freqs;
-            # its input scale (YaRN's attention factor) is transformers' already
-            layer.self_attn.rope._freqs = periods
-    return type(model.__name__, (model,), {"__init__": __init__})
+            layer.mlp.experts.activation = SwigluOAI(alpha=alpha, limit=limit)
+            if periods is not None:
+                # the per-dimension periods mlx-lm's YarnRoPE passes to mx.fast.rope as
+                # freqs; its input scale (YaRN's attention factor) is transformers' already
+                layer.self_attn.rope._freqs = periods
+    return subclass(model, {"__init__": __init__})
+
+
+def subclass(model: type, members: dict[str, Any]) -> type:
+    """model's subclass with members, named and placed as model is: tree.py reads a net's
+    module to know whose attention it runs."""
+    return type(model.__name__, (model,), {"__module__": model.__module__,
+                                           "__qualname__": model.__qualname__, **members})
 
 
 def yarn_periods(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:

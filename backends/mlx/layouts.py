@@ -109,7 +109,7 @@ def _sanitizing_first(model: type, fix: Callable[[dict[str, mx.array]], dict[str
     """model, its sanitize reading the weights fix gives."""
     def sanitize(self: Any, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return model.sanitize(self, fix(weights))
-    return type(model.__name__, (model,), {"sanitize": sanitize})
+    return exact.subclass(model, {"sanitize": sanitize})
 
 
 def oss_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -1,17 +1,21 @@
-"""A tiny Qwen3.5 (qwen35) GGUF written in llama.cpp's own convention, from a tiny random model.
+"""Tiny Qwen3.5 (qwen35), Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next) GGUFs written in
+llama.cpp's own convention, from tiny random models.
 
-Knows: what llama.cpp's converter (convert_hf_to_gguf.py: Qwen3_5TextModel over the Qwen3-Next
-class and the value-head reorder base it builds on) writes for a dense Qwen3.5 text model: the
-gguf package's tensor names, value heads moved from grouped-by-key-head to tiled order, A as
--exp(A_log), dt_bias as ssm_dt.bias, conv kernels squeezed, the (1 + w) norms stored with their
-one added, 1-D tensors and conv kernels in F32, and the metadata keys it sets; a small
-byte-level vocabulary as tokenizer.ggml.*. Must not know: specdeck's reader
-(backends/torch/qwen35_layout.py), so a test compares two independent readings of one
-convention (and llama.cpp, where it is installed, a third).
+Knows: what llama.cpp's converter (convert_hf_to_gguf.py: Qwen3_5TextModel and
+Qwen3_5MoeTextModel over the value-head reorder base, itself over Qwen3NextModel over
+Qwen2MoeModel) writes for these text models: the gguf package's tensor names, value heads moved
+from grouped-by-key-head to tiled order (the Qwen3.5 classes only), A as -exp(A_log), dt_bias as
+ssm_dt.bias, conv kernels squeezed, the (1 + w) norms stored with their one added, Qwen3-Next's
+per-key-head in_proj_qkvz split into all-heads q, k, v (attn_qkv) and z (attn_gate), the fused
+experts split into 3-D gate, up and down tensors, 1-D tensors, conv kernels and routers in F32,
+and the metadata keys it sets; a small byte-level vocabulary as tokenizer.ggml.*. Must not
+know: specdeck's reader (backends/torch/qwen35_layout.py, gguf_model.py), so a test compares
+two independent readings of one convention (and llama.cpp, where it is installed, a third).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +24,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gguf import (  # noqa: E402
-    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
     GGMLQuantizationType,
     GGUFWriter,
     LlamaFileType,
+    dequantize,
     get_tensor_name_map,
     quants,
 )
@@ -44,6 +49,13 @@ SPECIALS = ["<|im_start|>", "<|endoftext|>"]
 SINGLES = list("abcdefghijklmnopqrstuvwxyz0123456789")
 MERGES = ["a b", "c d", "e f", "g h", "i j", "k l", "m n", "o p", "q r", "s t"]
 CONTROL, NORMAL = 3, 1
+# transformers' text model type -> the GGUF architecture its converter writes
+ARCHITECTURES = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+                 "qwen3_next": "qwen3next"}
+# the pre-tokenizer each converter names for Qwen's vocabulary
+PRE_TOKENIZERS = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
+# kept F32 whatever the file type: llama.cpp's converter never quantizes a router
+F32_MATRICES = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
 
 
 def tiny_qwen35(seed: int = 1) -> TorchModel:
@@ -66,6 +78,47 @@ def tiny_qwen35(seed: int = 1) -> TorchModel:
     return TorchModel(hf, tiny_tokenizer(), name=f"tiny-qwen35-{seed}", device="cpu")
 
 
+def tiny_moe(family: str, seed: int = 1) -> TorchModel:
+    """tests/tiny_families.py's tiny Qwen3.5-MoE (`qwen3_5_moe_text`, M-RoPE as tiny_qwen35's)
+    or Qwen3-Next (`qwen3_next`, NeoX rotary on a quarter of each head), with norms, A_log and
+    dt_bias drawn as tiny_qwen35 draws them, and routers drawn wide (std 1) so that each row's
+    top 2 of 4 experts are clear choices, not near ties a rounding could swap. The experts
+    are 32 wide, so that their down matrices' rows split into Q8_0's blocks of 32."""
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    config.head_dim = 16
+    config.moe_intermediate_size = config.shared_expert_intermediate_size = 32
+    if family == "qwen3_5_moe_text":
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                  "mrope_interleaved": True}
+    hf = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+        for name, value in hf.named_parameters():
+            if name.endswith(("norm.weight", ".A_log", ".dt_bias")):
+                value.normal_(0.0, 0.3)
+            elif name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")):
+                value.normal_(0.0, 1.0)
+    return TorchModel(hf, tiny_tokenizer(), name=f"tiny-{family}-{seed}", device="cpu")
+
+
+def moe_twin(model: TorchModel, kind: int) -> TorchModel:
+    """The same model with every matrix save_qwen35_gguf quantizes (all 2-D and 3-D weights
+    but the routers and the shared experts' gates) replaced by its `kind` values, in float32."""
+    hf = copy.deepcopy(model.hf)
+    kind_type = GGMLQuantizationType(kind)
+    with torch.no_grad():
+        for name, value in hf.named_parameters():
+            if value.ndim < 2 or name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight",
+                                                 ".conv1d.weight")):
+                continue
+            stored = quants.quantize(value.float().numpy(), kind_type)
+            values = dequantize(stored, kind_type).reshape(value.shape)
+            value.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))
+    return TorchModel(hf, model.tokenizer, name=f"{model.name}-{kind_type.name}", device="cpu")
+
+
 def vocabulary() -> list[str]:
     return SPECIALS + SINGLES + [merge.replace(" ", "") for merge in MERGES]
 
@@ -74,15 +127,17 @@ def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32) -> Path:
     """model's weights as llama.cpp's converter writes them, its matrices as `kind` (F32,
     F16 or a type the gguf package quantizes)."""
     config = model.hf.config
-    writer = GGUFWriter(str(path), "qwen35")
+    architecture = ARCHITECTURES[config.model_type]
+    writer = GGUFWriter(str(path), architecture)
     _write_metadata(writer, config, kind)
-    _write_vocabulary(writer)
-    table = get_tensor_name_map(MODEL_ARCH.QWEN35, int(config.num_hidden_layers))
+    _write_vocabulary(writer, PRE_TOKENIZERS[architecture])
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+    table = get_tensor_name_map(arch, int(config.num_hidden_layers))
     for name, value in model.hf.state_dict().items():
-        stored_name, stored = _stored(name, value.float().numpy(), config)
-        gguf_name = table.get_name(stored_name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, stored_name
-        _add(writer, gguf_name, stored, kind)
+        for stored_name, stored in _converted(name, value.float().numpy(), config, architecture):
+            gguf_name = table.get_name(stored_name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, stored_name
+            _add(writer, gguf_name, stored, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -93,7 +148,12 @@ def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32) -> Path:
 def _write_metadata(writer: GGUFWriter, config, kind: int) -> None:
     head_dim = int(config.head_dim)
     rope = config.rope_parameters
-    write_shape(writer, config)
+    if getattr(config, "intermediate_size", None) is not None:
+        write_shape(writer, config)
+    else:  # an all-expert model: the converter writes no dense FFN width
+        _write_shape_without_ffn(writer, config)
+    if getattr(config, "num_experts", 0):
+        _write_experts(writer, config)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -105,9 +165,30 @@ def _write_metadata(writer: GGUFWriter, config, kind: int) -> None:
     writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
     writer.add_full_attention_interval(_interval(config.layer_types))
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if config.model_type == "qwen3_next":
+        return  # NeoX rotary: Qwen3NextModel writes no sections
     sections = rope.get("mrope_section")
     writer.add_rope_dimension_sections(DEFAULT_SECTIONS if sections is None
                                        else [*sections, 0, 0, 0, 0][:4])
+
+
+def _write_shape_without_ffn(writer: GGUFWriter, config) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _write_experts(writer: GGUFWriter, config) -> None:
+    """The keys TextModel and Qwen2MoeModel set from a MoE config."""
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "norm_topk_prob", None) is not None:
+        writer.add_expert_weights_norm(config.norm_topk_prob)
 
 
 def _interval(layer_types: list[str]) -> int:
@@ -119,10 +200,10 @@ def _interval(layer_types: list[str]) -> int:
     return interval
 
 
-def _write_vocabulary(writer: GGUFWriter) -> None:
+def _write_vocabulary(writer: GGUFWriter, pre: str) -> None:
     tokens = vocabulary()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([CONTROL if t in SPECIALS else NORMAL for t in tokens])
     writer.add_token_merges(MERGES)
@@ -132,9 +213,38 @@ def _write_vocabulary(writer: GGUFWriter) -> None:
     writer.add_add_bos_token(False)
 
 
-def _stored(name: str, value: np.ndarray, config) -> tuple[str, np.ndarray]:
-    """(HF-side name the converter maps, values as it stores them) for one parameter."""
-    value = _tiled(name, value, config)
+def _converted(name: str, value: np.ndarray, config,
+               architecture: str) -> list[tuple[str, np.ndarray]]:
+    """(HF-side name the converter maps, values as it stores them) for each tensor the
+    converter writes from one parameter."""
+    if name.endswith(".experts.gate_up_proj"):
+        gate, up = np.split(value, 2, axis=1)  # HF [experts, 2 * ff, d]: gate rows first
+        stem = name.removesuffix(".gate_up_proj")
+        return [(f"{stem}.gate_proj.weight", gate), (f"{stem}.up_proj.weight", up)]
+    if name.endswith(".experts.down_proj"):
+        return [(f"{name}.weight", value)]
+    if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+        return _split_qkvz(name, value, config)
+    if architecture != "qwen3next":
+        value = _tiled(name, value, config)
+    return [_stored(name, value)]
+
+
+def _split_qkvz(name: str, value: np.ndarray, config) -> list[tuple[str, np.ndarray]]:
+    """Qwen3-Next's rows per key head [q, k, v, z] as all heads' q, k, v (attn_qkv) and z
+    (attn_gate)."""
+    k_heads, k_dim = int(config.linear_num_key_heads), int(config.linear_key_head_dim)
+    per_head_v = int(config.linear_num_value_heads) // k_heads * int(config.linear_value_head_dim)
+    grouped = value.reshape(k_heads, 2 * k_dim + 2 * per_head_v, -1)
+    q, k, v, z = np.split(grouped, np.cumsum([k_dim, k_dim, per_head_v]), axis=1)
+    stem = name.removesuffix(".in_proj_qkvz.weight")
+    flat = [part.reshape(-1, value.shape[1]) for part in (q, k, v, z)]
+    return [(f"{stem}.in_proj_qkv.weight", np.concatenate(flat[:3])),
+            (f"{stem}.in_proj_z.weight", flat[3])]
+
+
+def _stored(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """The converter's value transforms shared by all three families."""
     if name.endswith(".A_log"):
         value = -np.exp(value)
     elif name.endswith(".dt_bias"):
@@ -174,7 +284,7 @@ def _grouped_to_tiled(x: np.ndarray, axis: int, k_heads: int, per_k: int,
 
 def _add(writer: GGUFWriter, name: str, value: np.ndarray, kind: int) -> None:
     value = np.ascontiguousarray(value, dtype=np.float32)
-    if value.ndim == 1 or ".ssm_conv1d." in name or kind == F32:
+    if value.ndim == 1 or any(part in name for part in F32_MATRICES) or kind == F32:
         writer.add_tensor(name, value)
     elif kind == F16:
         writer.add_tensor(name, value.astype(np.float16))

@@ -191,19 +191,19 @@ def test_a_gguf_of_a_family_transformers_cannot_read_names_the_safetensors_route
 
 
 @pytest.mark.parametrize("architecture, route", [
-    ("qwen35moe", r"--dtype auto.*safetensors checkpoint"),
     ("qwen3next", r"safetensors checkpoint.*--backend llamacpp")])
-def test_a_hybrid_gguf_whose_experts_no_layer_maps_never_computes_on_its_blocks(
+def test_a_hybrid_gguf_whose_layout_no_layer_maps_never_computes_on_its_blocks(
         tmp_path, architecture, route):
-    """Its experts are 3-D tensors no layer here computes on: --dtype gguf is refused naming
-    what loads the model, and --dtype auto does not pick the blocks (qwen35, whose tensors
-    all map, runs on them: tests/test_gguf_qwen35.py)."""
+    """Its q/k/v/z projection is stored split, which no layer here joins: --dtype gguf is
+    refused naming what loads the model, and --dtype auto does not pick the blocks (qwen35
+    and qwen35moe, whose tensors all map, run on them: tests/test_gguf_qwen35.py,
+    tests/test_gguf_moe.py)."""
     pytest.importorskip("torch")
     from backends.torch.backend import auto_cpu_dtype
     from backends.torch.gguf_model import load_gguf_model
 
     path = header_gguf(tmp_path / f"{architecture}.gguf", architecture)
-    with pytest.raises(SpecdeckError, match=rf"--dtype gguf cannot run.*experts.*{route}"):
+    with pytest.raises(SpecdeckError, match=rf"--dtype gguf cannot run.*split.*{route}"):
         load_gguf_model(path)
     assert auto_cpu_dtype(path)[0] != "gguf"
 

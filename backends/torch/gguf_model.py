@@ -29,22 +29,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from app.core.types import SpecdeckError
 from backends.gguf import metadata_folder
 from backends.gguf_header import architecture
-from backends.gguf_tensors import GgufTensors, open_tensors
+from backends.gguf_tensors import GgufTensors, TensorInfo, open_tensors
 from backends.torch import ggml, kquant, qwen35_layout
 from backends.torch.fuse import GROUPS, FusedProjection, ProjectionSlice
+from backends.torch.gguf_experts import GgufExperts, GgufRouter
 from backends.torch.gguf_layers import GgufEmbedding, GgufLinear, Part
 
 # GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
 # layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
 PERMUTED_QK = frozenset({"llama"})
-# hybrid families llama.cpp stores transformed as qwen35 and with their experts as one 3-D
-# tensor per projection, which no layer here computes on: why not, and what loads them
-_EXPERTS = ("llama.cpp stores a {} GGUF's recurrent tensors transformed and its experts as "
-            "3-D tensors, and specdeck's blocks path maps no expert tensor")
+# families whose stored layout no layer here maps: why not, and what loads them
+_SPLIT = ("llama.cpp stores a {} GGUF's fused q/k/v/z projection split in two, which no "
+          "layer here joins, and transformers reads no config from it")
 UNMAPPED = {
-    "qwen35moe": (_EXPERTS, "use --dtype auto (transformers reads it into memory) or the "
-                            "safetensors checkpoint"),
-    "qwen3next": (_EXPERTS, "give the model's safetensors checkpoint (its HF folder, as "
+    "qwen3next": (_SPLIT, "give the model's safetensors checkpoint (its HF folder, as "
                             "--target FOLDER), or run the file with --backend llamacpp "
                             "(transformers reads no qwen3next GGUF)"),
 }
@@ -86,7 +84,9 @@ def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
-    names = _hf_names(hf, tensors)
+    table = _name_table(hf, tensors)
+    names = _hf_names(hf, tensors, table)
+    _attach_experts(hf, tensors, names, table)
     _attach_linears(hf, tensors, names)
     _attach_rest(hf, tensors, names)
     hf.gguf_tensors = tensors  # the map stays open as long as the model lives
@@ -112,16 +112,19 @@ def _stored(module: torch.nn.Module) -> list[tuple[int, int]]:
     return []
 
 
-def _hf_names(hf: Any, tensors: GgufTensors) -> dict[str, str]:
-    """HF parameter name -> GGUF tensor name, for every tensor the file holds (the gguf
-    package's name table for the file's architecture, built once: transformers' own walk
-    builds it again for every submodule, 8 of the 0.5B Qwen's 16 s of loading)."""
+def _name_table(hf: Any, tensors: GgufTensors) -> Any:
+    """The gguf package's name table for the file's architecture, built once: transformers'
+    own walk builds it again for every submodule, 8 of the 0.5B Qwen's 16 s of loading."""
     arch = next((key for key, value in MODEL_ARCH_NAMES.items()
                  if value == tensors.architecture), None)
     if arch is None:
         raise SpecdeckError(f"{tensors.path.name}: the gguf package does not know its "
                             f"architecture {tensors.architecture!r}")
-    table = get_tensor_name_map(arch, int(hf.config.num_hidden_layers))
+    return get_tensor_name_map(arch, int(hf.config.num_hidden_layers))
+
+
+def _hf_names(hf: Any, tensors: GgufTensors, table: Any) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor name, for every tensor the file holds."""
     names = {}
     for hf_name in hf.state_dict():
         gguf = _gguf_name(table, tensors, hf_name)
@@ -178,26 +181,31 @@ def _part(name: str, config: Any, tensors: GgufTensors, names: dict[str, str]) -
     if weight is None:
         raise SpecdeckError(f"{tensors.path.name} has no tensor for {name}: the file does not "
                             "match its own config; download it again")
-    info = tensors.infos[weight]
     order = _row_order(name, weight, config, tensors.architecture)
-    packed = _packed(tensors, weight, order)
-    if packed is None and not ggml.can_compute(info.ggml_type):
-        why = ggml.unavailable_reason() or f"ggml has no CPU kernel for {info.type_name}"
-        raise SpecdeckError(f"{tensors.path.name}: {weight} is {info.type_name}, which "
-                            f"specdeck's own kernel does not compute on this CPU, and {why}")
     bias_name = names.get(f"{name}.bias")
     bias = None if bias_name is None else _float(tensors, bias_name)
     if bias is not None and order is not None:
         bias = bias[torch.from_numpy(order).long()]
-    part = Part(tensors.bytes_of(weight), info, order, bias, packed)
+    return _stored_part(tensors, tensors.infos[weight], order, bias)
+
+
+def _stored_part(tensors: GgufTensors, info: TensorInfo, order: np.ndarray | None,
+                 bias: torch.Tensor | None) -> Part:
+    """A Part over the stored matrix `info` (a whole tensor, or one expert's slice of one)."""
+    packed = _packed(tensors, info, order)
+    if packed is None and not ggml.can_compute(info.ggml_type):
+        why = ggml.unavailable_reason() or f"ggml has no CPU kernel for {info.type_name}"
+        raise SpecdeckError(f"{tensors.path.name}: {info.name} is {info.type_name}, which "
+                            f"specdeck's own kernel does not compute on this CPU, and {why}")
+    data = tensors.data[info.offset:info.offset + info.nbytes]
+    part = Part(data, info, order, bias, packed)
     part.path = tensors.path
     return part
 
 
-def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.ndarray | None:
-    """kquant's tiles of a Q4_K / Q6_K tensor, rows in HF order; None where ggml computes it.
+def _packed(tensors: GgufTensors, info: TensorInfo, order: np.ndarray | None) -> np.ndarray | None:
+    """kquant's tiles of a Q4_K / Q6_K matrix, rows in HF order; None where ggml computes it.
     The bytes are read, not mapped, so the file's pages do not stay in this process too."""
-    info = tensors.infos[name]
     if not kquant.can_take(info.ggml_type, info.rows, info.row_length):
         return None
     with tensors.path.open("rb") as f:
@@ -205,6 +213,72 @@ def _packed(tensors: GgufTensors, name: str, order: np.ndarray | None) -> np.nda
     if order is not None:
         stored = stored.reshape(info.rows, -1)[order]
     return kquant.pack(info.ggml_type, stored, info.rows, info.row_length)
+
+
+def _attach_experts(hf: Any, tensors: GgufTensors, names: dict[str, str], table: Any) -> None:
+    """Each MoE block's fused experts module becomes a GgufExperts over the file's 3-D expert
+    tensors (one GgufLinear per expert's slice) and its router a GgufRouter over the stored
+    router matrix; the shared expert and its gate are linear layers, left to _attach_linears."""
+    for name, block in list(hf.named_modules()):
+        experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
+        if not _fused_experts(experts):
+            continue
+        prefix = _join(name, "experts")
+        gate_up = _expert_layers(tensors, table, prefix, [("gate_up_proj",),
+                                                          ("gate_proj", "up_proj")])
+        down = _expert_layers(tensors, table, prefix, [("down_proj",)])
+        _check_experts(tensors, prefix, experts, gate_up, down)
+        block.experts = GgufExperts(gate_up, down, experts.act_fn)
+        logits = GgufLinear([_part(_join(name, "gate"), hf.config, tensors, names)])
+        # Qwen3.5-MoE's router always renormalizes its top k; Qwen3-Next's says whether
+        block.gate = GgufRouter(logits, int(router.top_k),
+                                bool(getattr(router, "norm_topk_prob", True)))
+
+
+def _fused_experts(module: Any) -> bool:
+    """transformers 5's experts module: every expert's gate/up and down in one 3-D parameter."""
+    return all(isinstance(getattr(module, leaf, None), torch.nn.Parameter)
+               and getattr(module, leaf).dim() == 3 for leaf in ("gate_up_proj", "down_proj"))
+
+
+def _expert_layers(tensors: GgufTensors, table: Any, prefix: str,
+                   layouts: list[tuple[str, ...]]) -> list[GgufLinear]:
+    """One GgufLinear per expert, its parts the expert's slices of the first layout's tensors
+    the file holds (a converter writes gate and up apart, or as one gate_up tensor)."""
+    for leaves in layouts:
+        stored = [f"{table.get_name(f'{prefix}.{leaf}')}.weight" for leaf in leaves]
+        if all(name in tensors.infos for name in stored):
+            infos = [tensors.infos[name] for name in stored]
+            count = infos[0].dims[-1]
+            return [GgufLinear([_stored_part(tensors, _expert_slice(info, expert), None, None)
+                                for info in infos]) for expert in range(count)]
+    raise SpecdeckError(f"{tensors.path.name} has no expert tensors for {prefix} (looked for "
+                        f"{', '.join('+'.join(leaves) for leaves in layouts)}): the file does "
+                        "not match its own config; download it again")
+
+
+def _expert_slice(info: TensorInfo, expert: int) -> TensorInfo:
+    """One expert's matrix inside a 3-D tensor [experts, rows, cols]: ggml keeps the experts
+    outermost, so each is whole rows of whole blocks, contiguous in the file."""
+    if len(info.dims) != 3:
+        raise SpecdeckError(f"{info.name} has {len(info.dims)} dimensions; an experts tensor "
+                            "has 3")
+    size = info.nbytes // info.dims[2]
+    return TensorInfo(f"{info.name}[{expert}]", info.ggml_type, info.dims[:2],
+                      info.offset + expert * size, size)
+
+
+def _check_experts(tensors: GgufTensors, prefix: str, experts: Any, gate_up: list[GgufLinear],
+                   down: list[GgufLinear]) -> None:
+    """The stored experts have the shapes the config gives the module's parameters."""
+    count, rows, width = experts.gate_up_proj.shape
+    down_shape = tuple(experts.down_proj.shape)
+    stored = (len(gate_up), gate_up[0].out_features, gate_up[0].in_features)
+    stored_down = (len(down), down[0].out_features, down[0].in_features)
+    if stored != (count, rows, width) or stored_down != down_shape:
+        raise SpecdeckError(f"{tensors.path.name}: {prefix} is stored as {stored} and "
+                            f"{stored_down}, its config wants {(count, rows, width)} and "
+                            f"{down_shape}; the file does not match its own config")
 
 
 def _row_order(name: str, gguf_name: str, config: Any, architecture: str) -> np.ndarray | None:

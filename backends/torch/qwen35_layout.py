@@ -1,4 +1,5 @@
-"""How llama.cpp stores a Qwen3.5 text model (GGUF architecture qwen35), and what undoes it.
+"""How llama.cpp stores a Qwen3.5 text model (GGUF architectures qwen35 and, with experts,
+qwen35moe), and what undoes it.
 
 Knows: the transforms llama.cpp's converter (convert_hf_to_gguf.py, Qwen3_5TextModel over its
 Qwen3-Next class and value-head reorder base) applies to transformers' qwen3_5_text tensors:
@@ -7,9 +8,11 @@ stored with their one added (all but the gated delta net's own norm); and, where
 more value heads than key heads, value heads moved from grouped-by-key-head order to tiled
 order on every tensor with a value-head axis (rows of in_proj_qkv's value block, in_proj_z,
 in_proj_a, in_proj_b, A and dt_bias, the conv kernel's value channels; out_proj's columns).
-Must not know: files, kernels, sessions. Rows are undone by reading them in another order
-(so quantized blocks stay as stored); out_proj's columns cross quantization blocks, so its
-input is reordered instead.
+Qwen3.5-MoE's converter (Qwen3_5MoeTextModel, over the same base) adds
+only the experts, gate and up split apart and stored otherwise as they are (gguf_experts.py
+computes on them). Must not know: files, kernels, sessions. Rows are undone by reading them
+in another order (so quantized blocks stay as stored); out_proj's columns cross quantization
+blocks, so its input is reordered instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = frozenset({"qwen35"})
+ARCHITECTURES = frozenset({"qwen35", "qwen35moe"})
 
 
 def converter_name(hf_name: str) -> str:

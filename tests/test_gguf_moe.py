@@ -1,0 +1,179 @@
+"""Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next) GGUFs, written as llama.cpp's converter
+writes them (tests/qwen35_gguf.py), run on their own blocks: the experts' 3-D tensors are
+multiplied where they lie (one GgufLinear per expert's slice) and the routers on the stored
+router, the logits are the source model's (F32) or its dequantized twin's (Q8_0), greedy
+decoding gives the source's tokens, each row of an MoE block gets the bits it gets alone, and
+speculation (lookup, with the recurrent rewind) keeps plain decoding's tokens; llama.cpp, where
+installed, reads the same files to the same logits."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+torch = pytest.importorskip("torch")
+
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.types import Done, SamplingParams  # noqa: E402
+from app.drafters.ngram import NgramDrafter  # noqa: E402
+from backends.torch import gguf_model  # noqa: E402
+from backends.torch.backend import TorchBackend, auto_cpu_dtype  # noqa: E402
+from backends.torch.gguf_experts import GgufExperts, GgufRouter  # noqa: E402
+from backends.torch.gguf_layers import GgufLinear  # noqa: E402
+from tests.qwen35_gguf import ARCHITECTURES, F32, moe_twin, save_qwen35_gguf, tiny_moe  # noqa: E402
+from tests.test_engine import oracle  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gguf_model.unavailable_reason() is not None,
+                                reason=f"no GGUF kernel here: {gguf_model.unavailable_reason()}")
+Q8_0 = int(T.Q8_0)
+FAMILIES = ["qwen3_5_moe_text"]
+# repeats itself, so lookup drafts, and some drafts are rejected (the recurrent state rewinds)
+PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 11, 13, 5, 9, 12]
+NEW = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[ARCHITECTURES[f] for f in FAMILIES])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def source(family):
+    model = tiny_moe(family, seed=1)
+    model.eos_token_ids = frozenset()  # decodes NEW tokens, as the files' models do
+    return model
+
+
+@pytest.fixture(scope="module")
+def files(source, family, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(ARCHITECTURES[family])
+    return {kind: save_qwen35_gguf(source, folder / f"{T(kind).name}.gguf", kind)
+            for kind in (F32, Q8_0)}
+
+
+@pytest.fixture(scope="module")
+def models(files):
+    loaded = {kind: TorchBackend().load(str(path), device="cpu", dtype="gguf")
+              for kind, path in files.items()}
+    for model in loaded.values():
+        model.eos_token_ids = frozenset()  # every run decodes NEW tokens
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """Plain greedy tokens of each file's model, decoded once when first asked."""
+    return functools.cache(lambda kind: list(generate(models[kind]).token_ids))
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model.hf(torch.tensor([ids])).logits[0]
+
+
+def generate(model, drafter=None, k: int = 0) -> Done:
+    done = list(SpecEngine(model).generate(PROMPT, SamplingParams(max_new_tokens=NEW),
+                                           drafter=drafter, k=k))[-1]
+    assert isinstance(done, Done) and done.error is None, done
+    return done
+
+
+def moe_blocks(model) -> list[torch.nn.Module]:
+    return [m for m in model.hf.modules() if isinstance(getattr(m, "experts", None), GgufExperts)]
+
+
+def test_a_moe_gguf_loads_with_every_expert_on_the_files_blocks(source, models, files):
+    model = models[Q8_0]
+    assert model.dtype == "gguf"
+    assert model.hf.config.model_type == source.hf.config.model_type
+    blocks = moe_blocks(model)
+    assert len(blocks) == source.hf.config.num_hidden_layers
+    for block in blocks:
+        assert isinstance(block.gate, GgufRouter)
+        assert all(isinstance(layer, GgufLinear) for layer in [*block.experts.gate_up,
+                                                               *block.experts.down])
+    # nothing the size of an expert was read into a float parameter: the blocks are counted
+    # where they lie, each expert tensor once
+    assert not any(".experts." in name for name, _ in model.hf.named_parameters())
+    tensors = model.hf.gguf_tensors
+    experts = sum(i.nbytes for n, i in tensors.infos.items() if "_exps." in n)
+    assert experts > 0 and gguf_model.stored_bytes(model.hf) >= experts
+
+
+def test_a_moe_gguf_on_blocks_matches_its_source_logits(source, models):
+    ours, theirs = logits(models[F32], PROMPT), logits(source, PROMPT)
+    # float32 throughout: only the summation order, (w + 1) - 1 and log(exp(A_log)) round (a
+    # few 1e-7 on logits near 3); an expert read from the wrong slice moves them by tenths
+    assert float((ours - theirs).abs().max()) < 1e-5
+
+
+def test_q8_0_experts_compute_what_the_dequantized_twin_computes(source, models):
+    twin = moe_twin(source, Q8_0)
+    ours, theirs = logits(models[Q8_0], PROMPT), logits(twin, PROMPT)
+    # the only difference: activations quantized to 8 bits per block of 32, as llama.cpp does
+    assert float((ours - theirs).norm() / theirs.norm()) < 0.02
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_greedy_decoding_on_a_moe_gguf_gives_the_source_models_tokens(source, models, plain):
+    assert plain(F32) == list(generate(source).token_ids)
+    assert plain(Q8_0) == oracle(models[Q8_0], PROMPT, NEW)  # and plain is the naive oracle
+
+
+def test_each_row_of_a_moe_block_gets_the_bits_it_gets_alone(models):
+    """The row-invariance promise through routing: nine rows together, each row's output is
+    bitwise its one-row output (a router on torch's float32 matmul breaks this)."""
+    hidden = int(models[Q8_0].hf.config.hidden_size)
+    rows = torch.randn((1, 9, hidden), generator=torch.Generator().manual_seed(3))
+    for kind in (F32, Q8_0):
+        block = moe_blocks(models[kind])[0]
+        with torch.no_grad():
+            together = block(rows)[0]
+            alone = [block(rows[:, i:i + 1])[0, 0] for i in range(rows.shape[1])]
+        assert all(torch.equal(together[i], alone[i]) for i in range(rows.shape[1]))
+
+
+@pytest.mark.parametrize("kind, k", [(Q8_0, 3), (F32, 3)])
+def test_lookup_on_a_moe_gguf_keeps_the_plain_output(models, plain, kind, k):
+    done = generate(models[kind], NgramDrafter(), k=k)
+    assert list(done.token_ids) == plain(kind)
+    assert done.stats.drafted > done.stats.accepted  # some drafts rejected: the state rewound
+
+
+_LLAMA_CPP = """
+import json, sys
+from llama_cpp import Llama
+path, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+llm = Llama(path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False)
+llm.eval(prompt)
+logits = [list(map(float, row)) for row in llm.scores[:len(prompt)]]
+tokens = []
+for _ in range(new):
+    tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+    llm.eval(tokens[-1:])
+print(json.dumps({"logits": logits, "tokens": tokens}))
+"""
+
+
+def test_llama_cpp_reads_the_same_moe_model_from_the_file(files, models, plain):
+    """The convention itself: llama.cpp's own loader and graph, on the F32 file, give the
+    logits and greedy tokens specdeck's reading gives (in a child, as a ggml assert aborts)."""
+    pytest.importorskip("llama_cpp")
+    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(files[F32]), json.dumps(PROMPT),
+                          str(NEW)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    ours = logits(models[F32], PROMPT).numpy()
+    # llama.cpp keeps its KV cache in F16: a few 1e-4 on logits near 3
+    assert np.abs(np.array(theirs["logits"]) - ours).max() < 5e-3
+    assert plain(F32) == theirs["tokens"]
+
+
+def test_auto_picks_a_moe_files_own_blocks(files):
+    assert auto_cpu_dtype(files[Q8_0])[0] == "gguf"

@@ -38,6 +38,9 @@ LOCK_SUFFIX = ".specdeck-lock"  # next to the .gguf; never deleted (others may w
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 Converter = Callable[[Path, Path], None]  # (gguf, empty folder to fill)
+# architectures whose config specdeck builds itself from a file's metadata (transformers 5.25
+# reads none from a qwen3next GGUF); torch's blocks path then computes on the file
+OWN_CONFIG_READERS = frozenset({"qwen3next"})
 
 
 @dataclass(frozen=True)
@@ -221,10 +224,18 @@ def convert_with_transformers(gguf: Path, dest: Path) -> None:
 
 def read_error(gguf: Path, error: Exception) -> SpecdeckError:
     """What went wrong reading a GGUF through transformers: an architecture it reads no GGUF
-    of (Qwen3-Next's qwen3next; Qwen3.5's qwen35 where transformers predates its reader,
-    which 5.25 has), with the routes that do load the model, else a partial or damaged file."""
+    of (Qwen3-Next's qwen3next, which torch's blocks path reads itself; Qwen3.5's qwen35 where
+    transformers predates its reader, which 5.25 has), with the routes that do load the model,
+    else a partial or damaged file."""
     if "is not supported yet" in str(error):
         arch = architecture(gguf) or "its"
+        if arch in OWN_CONFIG_READERS:
+            return SpecdeckError(
+                f"{gguf.name} is a {arch} GGUF, and transformers reads no {arch} GGUF yet, so "
+                f"it cannot be dequantized: on torch, --dtype gguf computes on the file's own "
+                f"blocks (on a CPU with specdeck's or ggml's kernels); otherwise give the "
+                f"model's safetensors checkpoint (its HF folder, as --target FOLDER; the MLX "
+                f"build's folder on MLX), or run the file with --backend llamacpp")
         return SpecdeckError(
             f"{gguf.name} is a {arch} GGUF, and transformers reads no {arch} GGUF yet, so "
             f"specdeck cannot load this file on torch or MLX: give the model's safetensors "
@@ -243,9 +254,26 @@ def save_metadata(gguf: Path, dest: Path) -> None:
         raise SpecdeckError(f"reading {gguf.name} needs the torch backend: "
                             f"{install_hint('torch')}") from error
     try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if architecture(gguf) in OWN_CONFIG_READERS:
+            config, tokenizer = _read_own(gguf)
+        else:
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as error:
         raise read_error(gguf, error) from error
     config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+
+
+def _read_own(gguf: Path) -> tuple[object, object]:
+    """Config and tokenizer of a GGUF whose metadata transformers has no reader of: the
+    config built by specdeck (torch's layout module), the tokenizer by transformers' own
+    GGUF vocabulary reader, which any architecture's file feeds."""
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    from backends.torch import qwen35_layout
+
+    metadata, tensor_names = read_gguf_metadata(str(gguf))
+    config = AutoConfig.for_model(**qwen35_layout.qwen3next_config(metadata, tensor_names))
+    return config, PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

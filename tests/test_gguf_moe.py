@@ -1,10 +1,12 @@
 """Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next) GGUFs, written as llama.cpp's converter
 writes them (tests/qwen35_gguf.py), run on their own blocks: the experts' 3-D tensors are
-multiplied where they lie (one GgufLinear per expert's slice) and the routers on the stored
-router, the logits are the source model's (F32) or its dequantized twin's (Q8_0), greedy
-decoding gives the source's tokens, each row of an MoE block gets the bits it gets alone, and
-speculation (lookup, with the recurrent rewind) keeps plain decoding's tokens; llama.cpp, where
-installed, reads the same files to the same logits."""
+multiplied where they lie (one GgufLinear per expert's slice), the routers on the stored
+router, Qwen3-Next's split q/k/v/z projection as one layer over both halves, its config built
+from the file's metadata (transformers reads none); the logits are the source model's (F32) or
+its dequantized twin's (Q8_0), greedy decoding gives the source's tokens, each row of an MoE
+block gets the bits it gets alone, and speculation (lookup, with the recurrent rewind) keeps
+plain decoding's tokens; llama.cpp, where installed, reads the same files to the same
+logits."""
 
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from tests.test_engine import oracle  # noqa: E402
 pytestmark = pytest.mark.skipif(gguf_model.unavailable_reason() is not None,
                                 reason=f"no GGUF kernel here: {gguf_model.unavailable_reason()}")
 Q8_0 = int(T.Q8_0)
-FAMILIES = ["qwen3_5_moe_text"]
+FAMILIES = ["qwen3_5_moe_text", "qwen3_next"]
+# seeds whose tiny models decode varied tokens from PROMPT, some of lookup's drafts rejected
+SEEDS = {"qwen3_5_moe_text": 1, "qwen3_next": 4}
 # repeats itself, so lookup drafts, and some drafts are rejected (the recurrent state rewinds)
 PROMPT = [5, 9, 12, 5, 9, 3, 7, 5, 9, 11, 13, 5, 9, 12]
 NEW = 16
@@ -45,7 +49,7 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def source(family):
-    model = tiny_moe(family, seed=1)
+    model = tiny_moe(family, seed=SEEDS[family])
     model.eos_token_ids = frozenset()  # decodes NEW tokens, as the files' models do
     return model
 
@@ -88,10 +92,22 @@ def moe_blocks(model) -> list[torch.nn.Module]:
     return [m for m in model.hf.modules() if isinstance(getattr(m, "experts", None), GgufExperts)]
 
 
-def test_a_moe_gguf_loads_with_every_expert_on_the_files_blocks(source, models, files):
+CONFIG_FIELDS = ("model_type", "layer_types", "hidden_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+def test_a_moe_gguf_loads_with_its_config_and_every_expert_on_the_files_blocks(source, models):
     model = models[Q8_0]
     assert model.dtype == "gguf"
-    assert model.hf.config.model_type == source.hf.config.model_type
+    # the file's config (transformers' reader for qwen35moe, specdeck's for qwen3next)
+    ours, theirs = model.hf.config, source.hf.config
+    assert {f: getattr(ours, f) for f in CONFIG_FIELDS} == {f: getattr(theirs, f)
+                                                            for f in CONFIG_FIELDS}
+    assert (ours.rope_parameters["partial_rotary_factor"]
+            == theirs.rope_parameters["partial_rotary_factor"])
     blocks = moe_blocks(model)
     assert len(blocks) == source.hf.config.num_hidden_layers
     for block in blocks:
@@ -116,9 +132,14 @@ def test_a_moe_gguf_on_blocks_matches_its_source_logits(source, models):
 def test_q8_0_experts_compute_what_the_dequantized_twin_computes(source, models):
     twin = moe_twin(source, Q8_0)
     ours, theirs = logits(models[Q8_0], PROMPT), logits(twin, PROMPT)
-    # the only difference: activations quantized to 8 bits per block of 32, as llama.cpp does
+    # the only difference: activations quantized to 8 bits per block of 32, as llama.cpp does,
+    # which moves a logit by a few hundredths: the best token is the twin's wherever it leads
+    # by more than that (random tiny models have near ties: 0.003 at one of tiny Next's rows)
     assert float((ours - theirs).norm() / theirs.norm()) < 0.02
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    top = theirs.topk(2, dim=-1).values
+    clear = top[:, 0] - top[:, 1] > 0.1
+    assert clear.sum() >= len(PROMPT) // 2
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
 
 
 def test_greedy_decoding_on_a_moe_gguf_gives_the_source_models_tokens(source, models, plain):

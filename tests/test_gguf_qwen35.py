@@ -2,8 +2,8 @@
 runs on its own blocks: its config and tokenizer come from the file, what llama.cpp stored
 transformed is undone, the logits are the source model's (F32 matrices) or its dequantized
 twin's (Q8_0), llama.cpp computes the same from the same file, and speculation (lookup, with
-the recurrent rewind) keeps plain decoding's tokens. (qwen35moe and qwen3next, whose experts
-no layer here maps, are refused naming what loads them: tests/test_gguf.py.)"""
+the recurrent rewind) keeps plain decoding's tokens. (qwen35moe and qwen3next, with their
+experts: tests/test_gguf_moe.py.)"""
 
 from __future__ import annotations
 

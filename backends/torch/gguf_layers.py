@@ -98,23 +98,29 @@ class Part:
 class GgufLinear(torch.nn.Module):
     """x [..., in] float -> [..., out] float32: the parts' outputs side by side. input_order:
     for a stored matrix whose columns are in another order than the layer's inputs, the
-    input each stored column reads (columns cross quantization blocks; inputs do not)."""
+    input each stored column reads (columns cross quantization blocks; inputs do not).
+    output_order: for a layer whose rows interleave several stored tensors' rows, the
+    output side by side each of its outputs is (a row cannot be read from two tensors)."""
 
-    def __init__(self, parts: list[Part], input_order: np.ndarray | None = None) -> None:
+    def __init__(self, parts: list[Part], input_order: np.ndarray | None = None,
+                 output_order: np.ndarray | None = None) -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("parts of one layer read inputs of one width")
         self.parts = parts  # plain attribute: the file's bytes are no module state
         self.input_order = (None if input_order is None
                             else torch.from_numpy(np.asarray(input_order, dtype=np.int64)))
+        self.output_order = (None if output_order is None
+                             else torch.from_numpy(np.asarray(output_order, dtype=np.int64)))
         self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
+        self.out_features = (sum(p.out_features for p in parts) if output_order is None
+                             else len(output_order))
         self.bias = None
         self._tiled = _tiled(parts)
 
     def rows(self, ids: torch.Tensor) -> GgufLinear:
         """The layer restricted to output rows ids (one-part layers only)."""
-        if len(self.parts) != 1:
+        if len(self.parts) != 1 or self.output_order is not None:
             raise ValueError("only a one-part layer can be restricted to rows")
         order = None if self.input_order is None else self.input_order.numpy()
         return GgufLinear([self.parts[0].rows(ids.cpu().numpy())], order)
@@ -127,7 +133,8 @@ class GgufLinear(torch.nn.Module):
         if self.input_order is not None:
             flat = flat.index_select(1, self.input_order)
         flat = flat.contiguous()
-        out = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
+        stored = sum(p.out_features for p in self.parts)
+        out = torch.empty((flat.shape[0], stored), dtype=torch.float32)
         if flat.shape[0] and self._tiled is not None:
             kquant.matmul_parts(self._tiled, flat, out)
         elif flat.shape[0]:
@@ -136,6 +143,8 @@ class GgufLinear(torch.nn.Module):
             for part in self.parts:
                 part.compute(flat, out, column, quantized)
                 column += part.out_features
+        if self.output_order is not None:
+            out = out.index_select(1, self.output_order)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -38,14 +38,9 @@ from backends.torch.gguf_layers import GgufEmbedding, GgufLinear, Part
 # GGUF architectures whose converter permuted query and key rows for llama.cpp's rotary
 # layout (convert_hf_to_gguf's LLaMA permute; transformers' LlamaTensorProcessor undoes it)
 PERMUTED_QK = frozenset({"llama"})
-# families whose stored layout no layer here maps: why not, and what loads them
-_SPLIT = ("llama.cpp stores a {} GGUF's fused q/k/v/z projection split in two, which no "
-          "layer here joins, and transformers reads no config from it")
-UNMAPPED = {
-    "qwen3next": (_SPLIT, "give the model's safetensors checkpoint (its HF folder, as "
-                            "--target FOLDER), or run the file with --backend llamacpp "
-                            "(transformers reads no qwen3next GGUF)"),
-}
+# families whose stored layout no layer here maps: why not, and what loads them (none now:
+# qwen35, qwen35moe and qwen3next map through qwen35_layout.py and gguf_experts.py)
+UNMAPPED: dict[str, tuple[str, str]] = {}
 
 
 def blocks_reason(architecture: str | None) -> str | None:
@@ -87,7 +82,7 @@ def load_gguf_model(path: Path, attn_implementation: str | None = None) -> tuple
     table = _name_table(hf, tensors)
     names = _hf_names(hf, tensors, table)
     _attach_experts(hf, tensors, names, table)
-    _attach_linears(hf, tensors, names)
+    _attach_linears(hf, tensors, names, table)
     _attach_rest(hf, tensors, names)
     hf.gguf_tensors = tensors  # the map stays open as long as the model lives
     return hf.eval(), tokenizer
@@ -150,7 +145,7 @@ def _gguf_name(table: Any, tensors: GgufTensors, hf_name: str) -> str | None:
     return whole if whole in tensors.infos else None
 
 
-def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> None:
+def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str], table: Any) -> None:
     """Every nn.Linear becomes a GgufLinear; q/k/v and gate/up become one fused layer each."""
     prefix = {m: n for n, m in hf.named_modules()}
     for module in list(hf.modules()):
@@ -158,9 +153,27 @@ def _attach_linears(hf: Any, tensors: GgufTensors, names: dict[str, str]) -> Non
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 name = _join(prefix[module], child_name)
-                part = _part(name, hf.config, tensors, names)
-                setattr(module, child_name,
-                        GgufLinear([part], _input_order(name, hf.config, tensors.architecture)))
+                setattr(module, child_name, _linear(name, hf.config, tensors, names, table))
+
+
+def _linear(name: str, config: Any, tensors: GgufTensors, names: dict[str, str],
+            table: Any) -> GgufLinear:
+    """The GgufLinear of one nn.Linear: its stored tensor, or the tensors the converter split
+    it into, read back in HF row order."""
+    joined = (qwen35_layout.joined_rows(f"{name}.weight", config)
+              if tensors.architecture in qwen35_layout.ARCHITECTURES else None)
+    if joined is None:
+        return GgufLinear([_part(name, config, tensors, names)],
+                          _input_order(name, config, tensors.architecture))
+    stored, order = joined
+    parts = []
+    for converter_name in stored:
+        gguf_name = f"{table.get_name(converter_name)}.weight"
+        if gguf_name not in tensors.infos:
+            raise SpecdeckError(f"{tensors.path.name} has no tensor {gguf_name} for {name}: "
+                                "the file does not match its own config; download it again")
+        parts.append(_stored_part(tensors, tensors.infos[gguf_name], None, None))
+    return GgufLinear(parts, output_order=order)
 
 
 def _fuse_groups(module: torch.nn.Module, name: str, config: Any, tensors: GgufTensors,

@@ -1,5 +1,5 @@
 """How llama.cpp stores a Qwen3.5 text model (GGUF architectures qwen35 and, with experts,
-qwen35moe), and what undoes it.
+qwen35moe) and a Qwen3-Next one (qwen3next), and what undoes it.
 
 Knows: the transforms llama.cpp's converter (convert_hf_to_gguf.py, Qwen3_5TextModel over its
 Qwen3-Next class and value-head reorder base) applies to transformers' qwen3_5_text tensors:
@@ -10,7 +10,11 @@ order on every tensor with a value-head axis (rows of in_proj_qkv's value block,
 in_proj_a, in_proj_b, A and dt_bias, the conv kernel's value channels; out_proj's columns).
 Qwen3.5-MoE's converter (Qwen3_5MoeTextModel, over the same base) adds
 only the experts, gate and up split apart and stored otherwise as they are (gguf_experts.py
-computes on them). Must not know: files, kernels, sessions. Rows are undone by reading them
+computes on them). Qwen3-Next's (Qwen3NextModel, the base) moves no value heads; it splits
+the per-key-head [q, k, v, z] rows of in_proj_qkvz into all heads' q, k, v (attn_qkv) and z
+(attn_gate), read back as one layer over both; and, as transformers has no reader of its
+metadata, the config is built here from the keys that converter writes. Must not know:
+files, kernels, sessions. Rows are undone by reading them
 in another order (so quantized blocks stay as stored); out_proj's columns cross quantization
 blocks, so its input is reordered instead.
 """
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = frozenset({"qwen35", "qwen35moe"})
+ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 
 
 def converter_name(hf_name: str) -> str:
@@ -30,6 +34,25 @@ def converter_name(hf_name: str) -> str:
     if hf_name.endswith(".linear_attn.dt_bias"):
         return hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
     return hf_name
+
+
+def joined_rows(hf_name: str, config: Any) -> tuple[list[str], np.ndarray] | None:
+    """For a matrix the converter stored as several tensors (Qwen3-Next's in_proj_qkvz): the
+    HF-side names of those tensors, and for each HF row its row in their outputs side by
+    side; else None."""
+    if not hf_name.endswith(".linear_attn.in_proj_qkvz.weight"):
+        return None
+    keys, key_dim = int(config.linear_num_key_heads), int(config.linear_key_head_dim)
+    per_key = int(config.linear_num_value_heads) // keys * int(config.linear_value_head_dim)
+    # attn_qkv's rows: every head's q, then every head's k, then v; attn_gate's z after them
+    head = np.arange(keys)[:, None]
+    q = head * key_dim + np.arange(key_dim)
+    k = keys * key_dim + q
+    v = 2 * keys * key_dim + head * per_key + np.arange(per_key)
+    z = 2 * keys * key_dim + keys * per_key + head * per_key + np.arange(per_key)
+    stem = hf_name.removesuffix(".in_proj_qkvz.weight")
+    return ([f"{stem}.in_proj_qkv", f"{stem}.in_proj_z"],
+            np.concatenate([q, k, v, z], axis=1).reshape(-1))
 
 
 def row_order(hf_name: str, config: Any) -> np.ndarray | None:
@@ -79,6 +102,8 @@ def _offset_by_one(hf_name: str) -> bool:
 
 def _value_heads(config: Any) -> tuple[int, int] | None:
     """(key heads, value heads per key head) where the converter reordered value heads."""
+    if config.model_type == "qwen3_next":
+        return None  # the reorder is the Qwen3.5 classes' own
     keys = int(getattr(config, "linear_num_key_heads", 0) or 0)
     values = int(getattr(config, "linear_num_value_heads", 0) or 0)
     if keys <= 0 or values <= 0 or keys == values:
@@ -104,3 +129,45 @@ def _after_query_key(heads: tuple[int, int], config: Any) -> np.ndarray:
     query_key = 2 * int(config.linear_key_head_dim) * int(config.linear_num_key_heads)
     values = _stored_rows(heads, int(config.linear_value_head_dim))
     return np.concatenate([np.arange(query_key), query_key + values])
+
+
+def qwen3next_config(metadata: dict[str, Any], tensor_names: tuple[str, ...]) -> dict[str, Any]:
+    """A transformers Qwen3-Next config from a qwen3next GGUF's metadata (the keys
+    Qwen3NextModel and the MoE and text classes under it write; `metadata` as transformers'
+    read_gguf_metadata gives it, the vocabulary as its length)."""
+    key = lambda name: metadata[f"qwen3next.{name}"]  # noqa: E731
+    layers, head_dim = int(key("block_count")), int(key("attention.key_length"))
+    value_heads, interval = int(key("ssm.time_step_rank")), int(key("full_attention_interval"))
+    # the converter writes every layer's router; a dense layer (mlp_only_layers) has none
+    routed = {int(name.split(".")[1]) for name in tensor_names
+              if name.startswith("blk.") and name.endswith(".ffn_gate_inp.weight")}
+    config = {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": metadata["tokenizer.ggml.tokens"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "num_hidden_layers": layers, "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv"), "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                        for i in range(layers)],
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        # a rotary width in dimensions, where transformers takes a fraction of the head
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base"),
+                            "partial_rotary_factor": key("rope.dimension_count") / head_dim},
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+        "norm_topk_prob": bool(metadata.get("qwen3next.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if i not in routed],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+    if (feed_forward := metadata.get("qwen3next.feed_forward_length")) is not None:
+        config["intermediate_size"] = feed_forward
+    return config

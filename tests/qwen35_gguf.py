@@ -78,16 +78,19 @@ def tiny_qwen35(seed: int = 1) -> TorchModel:
     return TorchModel(hf, tiny_tokenizer(), name=f"tiny-qwen35-{seed}", device="cpu")
 
 
-def tiny_moe(family: str, seed: int = 1) -> TorchModel:
+def tiny_moe(family: str, seed: int = 1, width: int = 32) -> TorchModel:
     """tests/tiny_families.py's tiny Qwen3.5-MoE (`qwen3_5_moe_text`, M-RoPE as tiny_qwen35's)
     or Qwen3-Next (`qwen3_next`, NeoX rotary on a quarter of each head), with norms, A_log and
     dt_bias drawn as tiny_qwen35 draws them, and routers drawn wide (std 1) so that each row's
     top 2 of 4 experts are clear choices, not near ties a rounding could swap. The experts
-    are 32 wide, so that their down matrices' rows split into Q8_0's blocks of 32."""
+    are `width` wide (32 by default, so that their down matrices' rows split into Q8_0's
+    blocks of 32), the hidden state too where width is given (256: K-quants' blocks)."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
     config.head_dim = 16
-    config.moe_intermediate_size = config.shared_expert_intermediate_size = 32
+    config.moe_intermediate_size = config.shared_expert_intermediate_size = width
+    if width != 32:
+        config.hidden_size = width
     if family == "qwen3_5_moe_text":
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],

@@ -27,7 +27,7 @@ from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends.torch import gguf_model  # noqa: E402
 from backends.torch.backend import TorchBackend, auto_cpu_dtype  # noqa: E402
 from backends.torch.gguf_experts import GgufExperts, GgufRouter  # noqa: E402
-from backends.torch.gguf_layers import GgufLinear  # noqa: E402
+from backends.torch.gguf_layers import GgufLinear, Part  # noqa: E402
 from tests.qwen35_gguf import ARCHITECTURES, F32, moe_twin, save_qwen35_gguf, tiny_moe  # noqa: E402
 from tests.test_engine import oracle  # noqa: E402
 
@@ -194,6 +194,68 @@ def test_llama_cpp_reads_the_same_moe_model_from_the_file(files, models, plain):
     # llama.cpp keeps its KV cache in F16: a few 1e-4 on logits near 3
     assert np.abs(np.array(theirs["logits"]) - ours).max() < 5e-3
     assert plain(F32) == theirs["tokens"]
+
+
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 1
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
+                                        ctypes.byref(params)))
+"""
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(family, tmp_path_factory):
+    """A 256-wide tiny model (K-quants' blocks) quantized to Q4_K_M by llama.cpp itself, so
+    its experts are llama.cpp's own Q4_K blocks (the gguf package quantizes no K-quant)."""
+    pytest.importorskip("llama_cpp")
+    folder = tmp_path_factory.mktemp(f"{ARCHITECTURES[family]}-q4_k_m")
+    wide = tiny_moe(family, seed=SEEDS[family], width=256)
+    f32 = save_qwen35_gguf(wide, folder / "f32.gguf")
+    path = folder / "Q4_K_M.gguf"
+    run = subprocess.run([sys.executable, "-c", _QUANTIZE, str(f32), str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return path, wide
+
+
+def test_each_q4_k_expert_multiplies_its_own_slice_of_llama_cpps_blocks(q4_k_m):
+    """Every expert's layer (on kquant's tiles where this CPU has them) computes what its
+    slice of the 3-D tensor holds: x times the slice's dequantized rows, within 8-bit
+    activations' 1% (a neighbouring expert's slice would be off by 100%)."""
+    model = TorchBackend().load(str(q4_k_m[0]), device="cpu", dtype="gguf")
+    x = torch.randn((5, 256), generator=torch.Generator().manual_seed(0))
+    layers = [layer for block in moe_blocks(model)
+              for layer in [*block.experts.gate_up, *block.experts.down]]
+    assert {part.ggml_type for layer in layers for part in layer.parts} & {int(T.Q4_K)}
+    for layer in layers:
+        weights = torch.cat([part.float_rows(0, part.out_features) for part in layer.parts])
+        expected = x[:, :layer.in_features] @ weights.T
+        ours = layer(x[:, :layer.in_features])
+        assert float((ours - expected).norm() / expected.norm()) < 0.01
+        if any(part.packed is not None for part in layer.parts):  # and ggml agrees on it
+            ggml = GgufLinear([Part(part.data, part._info) for part in layer.parts])
+            assert float((ours - ggml(x[:, :layer.in_features])).norm() / ours.norm()) < 0.01
+
+
+def test_llama_cpp_computes_the_same_logits_from_a_q4_k_m_moe_file(q4_k_m):
+    """llama.cpp's graph on its own Q4_K_M file and specdeck's reading of it: each matmul
+    differs only by its activations' rounding (llama.cpp's Q8_K, kquant's own 8 bits: 0.5% a
+    layer, above), which a random tiny model amplifies, as it amplifies the Q4 weights' own
+    error (each reading lies 30-60% from the float32 source). Measured: specdeck's logits lie
+    a quarter to a third of that from llama.cpp's; a layout or slice read wrong lies as far
+    from both as from the source, or farther."""
+    path, source = q4_k_m
+    model = TorchBackend().load(str(path), device="cpu", dtype="gguf")
+    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), json.dumps(PROMPT),
+                          "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1])["logits"])
+    ours = logits(model, PROMPT)
+    quantization = float((theirs - logits(source, PROMPT)).norm())
+    assert float((ours - theirs).norm()) < 0.5 * quantization
 
 
 def test_auto_picks_a_moe_files_own_blocks(files):

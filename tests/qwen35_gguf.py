@@ -126,9 +126,12 @@ def vocabulary() -> list[str]:
     return SPECIALS + SINGLES + [merge.replace(" ", "") for merge in MERGES]
 
 
-def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32) -> Path:
+def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32,
+                     fused_experts: bool = False) -> Path:
     """model's weights as llama.cpp's converter writes them, its matrices as `kind` (F32,
-    F16 or a type the gguf package quantizes)."""
+    F16 or a type the gguf package quantizes). fused_experts: each layer's experts' gate and
+    up as one ffn_gate_up_exps tensor, as transformers holds them (the gguf package's
+    FFN_GATE_UP_EXP, which both architectures' tensor lists name), not split in two."""
     config = model.hf.config
     architecture = ARCHITECTURES[config.model_type]
     writer = GGUFWriter(str(path), architecture)
@@ -137,7 +140,10 @@ def save_qwen35_gguf(model: TorchModel, path: Path, kind: int = F32) -> Path:
     arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
     table = get_tensor_name_map(arch, int(config.num_hidden_layers))
     for name, value in model.hf.state_dict().items():
-        for stored_name, stored in _converted(name, value.float().numpy(), config, architecture):
+        converted = ([(f"{name}.weight", value.float().numpy())]
+                     if fused_experts and name.endswith(".experts.gate_up_proj")
+                     else _converted(name, value.float().numpy(), config, architecture))
+        for stored_name, stored in converted:
             gguf_name = table.get_name(stored_name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, stored_name
             _add(writer, gguf_name, stored, kind)

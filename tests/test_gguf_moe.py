@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 from app.core.engine import SpecEngine  # noqa: E402
 from app.core.types import Done, SamplingParams  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
+from backends.gguf_tensors import open_tensors  # noqa: E402
 from backends.torch import gguf_model  # noqa: E402
 from backends.torch.backend import TorchBackend, auto_cpu_dtype  # noqa: E402
 from backends.torch.gguf_experts import GgufExperts, GgufRouter  # noqa: E402
@@ -127,6 +128,16 @@ def test_a_moe_gguf_on_blocks_matches_its_source_logits(source, models):
     # float32 throughout: only the summation order, (w + 1) - 1 and log(exp(A_log)) round (a
     # few 1e-7 on logits near 3); an expert read from the wrong slice moves them by tenths
     assert float((ours - theirs).abs().max()) < 1e-5
+
+
+def test_experts_stored_as_one_gate_up_tensor_compute_the_same(source, models, tmp_path):
+    """A file whose experts' gate and up are one ffn_gate_up_exps tensor (gate rows first
+    in each expert, as transformers holds them) gives the split file's logits exactly."""
+    path = save_qwen35_gguf(source, tmp_path / "fused.gguf", F32, fused_experts=True)
+    assert any(name.endswith("ffn_gate_up_exps.weight")
+               for name in open_tensors(path).infos)
+    fused = TorchBackend().load(str(path), device="cpu", dtype="gguf")
+    assert torch.equal(logits(fused, PROMPT), logits(models[F32], PROMPT))
 
 
 def test_q8_0_experts_compute_what_the_dequantized_twin_computes(source, models):

@@ -2,16 +2,18 @@
 
 Knows: the gguf package's tensor name table (gguf tensor name <-> HF parameter name), the fused
 projection layout of fuse.py, llama.cpp's row order for LLaMA's query and key weights, which
-architectures store values transformed (qwen35's, undone by qwen35_layout.py; the families
-whose layout no layer here maps, and what loads them instead), the layers of gguf_layers.py
-and which kernel takes a tensor. Must not know: sessions, drafting, dtypes other than the
-file's own.
+architectures store values transformed (qwen35's, qwen35moe's and qwen3next's, undone by
+qwen35_layout.py; the families whose layout no layer here maps, none now, and what loads them
+instead), where an MoE block's experts lie (each expert's slice of a 3-D tensor, computed by
+gguf_experts.py), the layers of gguf_layers.py and which kernel takes a tensor. Must not
+know: sessions, drafting, dtypes other than the file's own.
 
-The model is built on the meta device from the GGUF's config, then each linear layer becomes
-a GgufLinear (kquant's tiles repacked from the file's blocks, or ggml on the memory-mapped
-blocks themselves), the embedding a GgufEmbedding on the mapped table, and the few
-small tensors left (norms, biases: F32 in the file) are read as float32. Nothing the size of
-the weights is allocated, dequantized or written.
+The model is built on the meta device from the GGUF's config, then each MoE block's experts
+and router become a GgufExperts and a GgufRouter, each linear layer a GgufLinear (kquant's
+tiles repacked from the file's blocks, or ggml on the memory-mapped blocks themselves), the
+embedding a GgufEmbedding on the mapped table, and the few small tensors left (norms,
+biases: F32 in the file) are read as float32. Nothing the size of the weights is allocated,
+dequantized or written.
 """
 
 from __future__ import annotations

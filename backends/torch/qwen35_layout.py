@@ -8,15 +8,14 @@ stored with their one added (all but the gated delta net's own norm); and, where
 more value heads than key heads, value heads moved from grouped-by-key-head order to tiled
 order on every tensor with a value-head axis (rows of in_proj_qkv's value block, in_proj_z,
 in_proj_a, in_proj_b, A and dt_bias, the conv kernel's value channels; out_proj's columns).
-Qwen3.5-MoE's converter (Qwen3_5MoeTextModel, over the same base) adds
-only the experts, gate and up split apart and stored otherwise as they are (gguf_experts.py
-computes on them). Qwen3-Next's (Qwen3NextModel, the base) moves no value heads; it splits
-the per-key-head [q, k, v, z] rows of in_proj_qkvz into all heads' q, k, v (attn_qkv) and z
-(attn_gate), read back as one layer over both; and, as transformers has no reader of its
-metadata, the config is built here from the keys that converter writes. Must not know:
-files, kernels, sessions. Rows are undone by reading them
-in another order (so quantized blocks stay as stored); out_proj's columns cross quantization
-blocks, so its input is reordered instead.
+Qwen3.5-MoE's converter (Qwen3_5MoeTextModel, over the same base) adds only the experts, gate
+and up split apart and stored otherwise as they are (gguf_experts.py computes on them).
+Qwen3-Next's (Qwen3NextModel, the base) moves no value heads; it splits the per-key-head
+[q, k, v, z] rows of in_proj_qkvz into all heads' q, k, v (attn_qkv) and z (attn_gate), read
+back as one layer over both; and, as transformers has no reader of its metadata, the config
+is built here from the keys that converter writes. Must not know: files, kernels, sessions.
+Rows are undone by reading them in another order (so quantized blocks stay as stored);
+out_proj's columns cross quantization blocks, so its input is reordered instead.
 """
 
 from __future__ import annotations
@@ -136,7 +135,10 @@ def qwen3next_config(metadata: dict[str, Any], tensor_names: tuple[str, ...]) ->
     Qwen3NextModel and the MoE and text classes under it write; `metadata` as transformers'
     read_gguf_metadata gives it, the vocabulary as its length)."""
     key = lambda name: metadata[f"qwen3next.{name}"]  # noqa: E731
-    layers, head_dim = int(key("block_count")), int(key("attention.key_length"))
+    layers = int(key("block_count"))
+    # written where the checkpoint's config names head_dim (Qwen3-Next's does)
+    head_dim = int(metadata.get("qwen3next.attention.key_length")
+                   or int(key("embedding_length")) // int(key("attention.head_count")))
     value_heads, interval = int(key("ssm.time_step_rank")), int(key("full_attention_interval"))
     # the converter writes every layer's router; a dense layer (mlp_only_layers) has none
     routed = {int(name.split(".")[1]) for name in tensor_names

@@ -8,9 +8,11 @@ apart"): mlx-vlm's split (`config.json` of model_type `qwen3_5_mtp` whose `text_
 the target's, tensors named without `mtp.`, norms stored as w + 1, MoE experts stacked as
 `switch_mlp`: MLX's form), and the layout vLLM's and SGLang's MTP loaders read (a Qwen3.5
 config and the `mtp.*` tensors as the target's own checkpoint stores them: the original
-checkpoint itself is one); which config keys fix the layer's geometry; that quantized or
-FP8 tensors are not read here. Must not know: an array library (the headers are read with
-safetensors' reader; each backend reads the tensors), drafting, surfaces.
+checkpoint itself is one); which config keys fix the layer's geometry (checked on the
+shapes of the weights a quantized folder's tensors stand for: backends/heads/mtp_dequant.py
+reads block FP8 and MLX affine folders, and refuses any other quantization). Must not know:
+an array library (the headers are read with safetensors' reader; each backend reads the
+tensors), drafting, surfaces.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from app.core.types import SpecdeckError
 from app.drafters.own_layers import has_dspark_stages
+from backends.heads.mtp_dequant import Stored, read_quantization
 from backends.heads.mtp_format import (
     MtpCheckpoint,
     MtpLayout,
@@ -37,7 +40,6 @@ FC = "fc.weight"
 GEOMETRY = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
             "num_experts", "shared_expert_intermediate_size")
-_QUANTIZED = (".scales", "weight_scale_inv", ".weight_scale")  # MLX affine, block FP8
 
 
 def is_mtp_folder(path: str | Path) -> bool:
@@ -55,22 +57,27 @@ def open_mtp_folder(folder: str | Path, target: Any, target_config: Mapping[str,
     """The first MTP layer of a separately published folder, checked against the target
     (target_config: its text model's config) from the headers alone; SpecdeckError naming
     both where the folder was made for another target, holds no Qwen MTP layer or holds
-    quantized tensors."""
+    tensors quantized in a form specdeck does not read (block FP8 and MLX affine ones are
+    read as float: the checkpoint carries their quantization)."""
     folder = Path(folder).expanduser()
     config = _config(folder)
     if config is None:
         raise SpecdeckError(f"{folder} is no MTP folder: it has no readable config.json")
     if has_dspark_stages(config):
         raise SpecdeckError(f"{folder} holds DeepSeek-V4 DSpark stages, not an MTP layer")
-    shapes = _header_shapes(folder)
-    prefix = _prefix(folder, shapes)
-    _refuse_quantized(folder, config, shapes)
+    headers = _headers(folder)
+    stored = {key: tensor for file_headers in headers.values()
+              for key, tensor in file_headers.items()}
+    prefix = _prefix(folder, stored)
+    quantization = read_quantization(folder, config, stored)
+    shapes = {key: quantization.shape(key, tensor) if quantization else tensor.shape
+              for key, tensor in stored.items()}
     _check_geometry(folder, config, shapes, prefix, target.name, target_config)
     check_rewinds(target)
     layout = MtpLayout("qwen3_next", (prefix,))
-    names = {file: tuple(file_shapes) for file, file_shapes in shapes.items()}
+    names = {file: tuple(file_headers) for file, file_headers in headers.items()}
     return MtpCheckpoint(layout, first_layer_keys(names, layout), folder=folder,
-                         mlx_form=prefix == SPLIT_PREFIX)
+                         mlx_form=prefix == SPLIT_PREFIX, quantization=quantization)
 
 
 def _config(folder: Path) -> dict[str, Any] | None:
@@ -80,50 +87,39 @@ def _config(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def _header_shapes(folder: Path) -> dict[Path, dict[str, tuple[int, ...]]]:
-    """Per safetensors file, each tensor's name and shape (the header only: no tensor read)."""
+def _headers(folder: Path) -> dict[Path, dict[str, Stored]]:
+    """Per safetensors file, each tensor's name, shape and dtype (the header only: no tensor
+    read)."""
     from safetensors import safe_open
 
-    shapes: dict[Path, dict[str, tuple[int, ...]]] = {}
+    headers: dict[Path, dict[str, Stored]] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="numpy") as f:
-            shapes[file] = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    return shapes
+            headers[file] = {key: Stored(tuple(f.get_slice(key).get_shape()),
+                                         f.get_slice(key).get_dtype()) for key in f.keys()}
+    return headers
 
 
-def _prefix(folder: Path, shapes: Mapping[Path, Mapping[str, Any]]) -> str:
+def _prefix(folder: Path, stored: Mapping[str, Stored]) -> str:
     """The layout's tensor prefix: `mtp.` as the target stores them, or none (the split)."""
-    names = {key for file_shapes in shapes.values() for key in file_shapes}
     for prefix in (HF_PREFIX, SPLIT_PREFIX):
-        if f"{prefix}{FC}" in names:
+        if f"{prefix}{FC}" in stored:
             return prefix
     raise SpecdeckError(f"{folder} holds no Qwen3.5 / 3.6 MTP layer (no {HF_PREFIX}{FC} or "
                         f"{FC} among its safetensors tensors)")
 
 
-def _refuse_quantized(folder: Path, config: Mapping[str, Any],
-                      shapes: Mapping[Path, Mapping[str, Any]]) -> None:
-    # the loaders build the layer in the target's float dtype: quantized or FP8 tensors
-    # would need their own kernels here
-    quantized = sorted(key for file_shapes in shapes.values() for key in file_shapes
-                       if key.endswith(_QUANTIZED))
-    if quantized or config.get("quantization") or config.get("quantization_config"):
-        named = f" ({quantized[0]}, ...)" if quantized else ""
-        raise SpecdeckError(f"{folder} holds a quantized MTP layer{named}: specdeck reads "
-                            "float MTP folders only; use the bf16 one (e.g. a *-MTP-bf16 "
-                            "folder) or the target's original checkpoint")
-
-
 def _check_geometry(folder: Path, config: Mapping[str, Any],
-                    shapes: Mapping[Path, Mapping[str, tuple[int, ...]]], prefix: str,
+                    shapes: Mapping[str, tuple[int, ...]], prefix: str,
                     target: str, target_config: Mapping[str, Any]) -> None:
-    """Refuse a folder made for another target, naming both and what differs."""
+    """Refuse a folder made for another target, naming both and what differs (shapes: of
+    the weights the tensors stand for)."""
     text = config.get("text_config") or config
     differ = [f"{key} {text[key]} against {target_config[key]}" for key in GEOMETRY
               if text.get(key) is not None and target_config.get(key) is not None
               and text[key] != target_config[key]]
     hidden = int(target_config.get("hidden_size") or 0)
-    fc = next(s[f"{prefix}{FC}"] for s in shapes.values() if f"{prefix}{FC}" in s)
+    fc = shapes[f"{prefix}{FC}"]
     if hidden and tuple(fc) != (hidden, 2 * hidden):
         differ.append(f"{prefix}{FC} of shape {list(fc)} against [{hidden}, {2 * hidden}]")
     if differ:

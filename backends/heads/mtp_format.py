@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from app.core.types import SpecdeckError
 from app.drafters.own_layers import dspark_stages_refusal, has_dspark_stages, mtp_layers
+from backends.heads.mtp_dequant import Quantization, dequantized
 
 T = TypeVar("T")
 # per style: the stored names of the fusing projection, embedding norm, hidden norm, out norm
@@ -59,12 +60,14 @@ class MtpCheckpoint:
 
     folder: set where the layer was published apart from the target (its refusals name it);
     mlx_form: its tensors are as MLX holds them (norms stored as w + 1, MoE experts stacked
-    as `mlp.switch_mlp.{gate,up,down}_proj`), as mlx-vlm's split writes them."""
+    as `mlp.switch_mlp.{gate,up,down}_proj`), as mlx-vlm's split writes them;
+    quantization: how a quantized folder stores its weights (split_layer reads them as float)."""
 
     layout: MtpLayout
     keys: Mapping[Path, tuple[str, ...]]
     folder: Path | None = None
     mlx_form: bool = False
+    quantization: Quantization | None = None
 
     @property
     def prefix(self) -> str:
@@ -167,7 +170,9 @@ def split_layer(stored: Mapping[str, T], checkpoint: MtpCheckpoint
                 ) -> tuple[dict[str, T], dict[str, T]]:
     """An MTP layer's stored tensors (full names) as (the fusing parts under the module's names
     `proj.weight`, ..., `head.weight` when it has its own head; the decoder layer's tensors
-    under their names inside the layer, per-expert MoE names as stored)."""
+    under their names inside the layer, per-expert MoE names as stored); a quantized folder's
+    weights as float (backends/heads/mtp_dequant.py)."""
+    stored = dequantized(stored, checkpoint.quantization)
     own = {k.removeprefix(checkpoint.prefix): v for k, v in stored.items()}
     fuse = {f"{part}.weight": own.pop(f"{name}.weight")
             for part, name in zip(_PARTS, FUSE[checkpoint.layout.style]) if f"{name}.weight" in own}

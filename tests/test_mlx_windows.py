@@ -138,6 +138,20 @@ def test_every_layer_of_a_windowed_mistral_on_mlx_holds_its_window_not_the_conte
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_rewind_past_every_spare_row_on_mlx_replays_the_kept_tokens(family):
+    session, long = model(family).start(), [int(t) for t in np.arange(300) % 40 + 2]
+    for token in long:  # one forward a token: the windows drop rows the rewind then needs
+        session.forward([token])
+    assert any(c.start > 10 for c in session._cache if isinstance(c, WindowCache))
+    session.rewind(10)
+    assert session.tokens == tuple(long[:10]) and session.length == 10
+    fresh = model(family).start()
+    fresh.forward(long[:10])
+    np.testing.assert_allclose(_next_logits(session, 9), _next_logits(fresh, 9), rtol=0,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_trees_are_refused_on_these_targets_on_mlx_for_their_window(family):
     target = model(family)
     assert target.capabilities.reason == WINDOW_CHAINS

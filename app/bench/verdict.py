@@ -2,7 +2,9 @@
 one target: each configuration serves N streams at once, N at each count asked.
 
 Knows: the streams scheduler (app/runtime/streams.py: every live stream of the target in one
-forward), engine events (Step, Done), what a loaded model says of its KV per token, llama-server
+forward), engine events (Step, Done), what one stream keeps as the planner and serve count it
+(app/catalogue/sizing.py's loaded_stream_bytes: the target's full layers per token, a window's
+rows and a hybrid's state over its config; the draft model's own KV per token), llama-server
 started with `--parallel N` (app/bench/llamacpp.py) and read through the remote engine. Must
 not know: array libraries, HTTP wire formats.
 
@@ -27,6 +29,7 @@ from typing import Any
 
 from app import drafters
 from app.bench.report import machine_info
+from app.catalogue.sizing import loaded_stream_bytes
 from app.core.types import Done, RunStats, SamplingParams, SpecdeckError, Step
 from app.runtime.streams import Request, Streams, fork_engines
 
@@ -146,9 +149,11 @@ def local_sources(pair: Any, settings: Any, slots: int, log: Callable[[str], Non
     engine = pair.fresh_engine()
     engine.warm_up()  # as serve does: every slot prices k from one probed cost curve
     scheduler = Streams(fork_engines(engine, slots), build)
-    room = _room(backend, target)
-    sources: list[Source] = [LocalSource("plain", scheduler, "none", 0,
-                                         memory_of(target, None, room))]
+    room, path = _room(backend, target), getattr(getattr(pair, "spec", None), "target", None)
+    # one count with the draft model, one without: each reads the target's config again
+    memories = {uses: memory_of(target, draft if uses else None, room, path=path,
+                                backend=backend.name) for uses in {False, draft is not None}}
+    sources: list[Source] = [LocalSource("plain", scheduler, "none", 0, memories[False])]
     unavailable: dict[str, str] = {}
     for kind in dict.fromkeys(settings.drafters):
         if kind == "none":
@@ -165,7 +170,7 @@ def local_sources(pair: Any, settings: Any, slots: int, log: Callable[[str], Non
         for k in settings.ks:
             name = f"{kind}{':' + resolved if kind == 'auto' else ''} k={k}"
             sources.append(LocalSource(name, scheduler, resolved, k,
-                                       memory_of(target, draft if uses_draft else None, room)))
+                                       memories[uses_draft and draft is not None]))
     for name, why in unavailable.items():
         log(f"unavailable: {name}: {why}")
     return sources, unavailable
@@ -180,16 +185,36 @@ def _room(backend: Any, target: Any) -> int | None:
         return None
 
 
-def memory_of(target: Any, draft: Any, room: int | None,
-              context: int = STREAM_CONTEXT) -> Memory | None:
-    """From the loaded models' KV per token and the memory left after loading them."""
-    per_token = sum(getattr(m, "kv_bytes_per_token", lambda: 0)()
-                    for m in (target, draft) if m is not None)
+def memory_of(target: Any, draft: Any, room: int | None, context: int = STREAM_CONTEXT, *,
+              path: str | None = None, backend: str = "") -> Memory | None:
+    """The longest stream and the streams of `context` tokens that fit in room (the memory
+    left after loading): a stream of the target as sizing.loaded_stream_bytes counts it over
+    its config at path on backend (a window's fixed rows, a hybrid's recurrent state), and
+    the draft model's own KV per token; where no config reads, every layer's KV per token
+    times the tokens. None where room or a stream's cost is unknown."""
+    def stream(tokens: int) -> int:
+        own = loaded_stream_bytes(draft, None, backend, tokens) if draft is not None else 0
+        return loaded_stream_bytes(target, path, backend, tokens) + own
+
     context = min(context, target.context_length)
-    if room is None or per_token <= 0:
+    at_context = stream(context)
+    if room is None or at_context <= 0:
         return None
-    return Memory(servable_context=min(target.context_length, room // per_token),
-                  max_streams=room // (per_token * context), context=context)
+    return Memory(servable_context=_longest(room, stream, target.context_length),
+                  max_streams=room // at_context, context=context)
+
+
+def _longest(room: int, stream: Callable[[int], int], cap: int) -> int:
+    """The most tokens up to cap one stream holds in room. A stream's bytes grow with its
+    tokens, more slowly once a window is full: a search, not a division; one count where
+    the longest fits (each count reads the config)."""
+    if stream(cap) <= room:
+        return cap
+    low, high = 0, cap  # stream(low) fits, stream(high) does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if stream(mid) <= room else (low, mid)
+    return low
 
 
 def run_round(source: Source, n: int, prompts: Sequence[tuple[int, list[int]]],

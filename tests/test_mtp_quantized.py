@@ -87,8 +87,9 @@ def fp8_folder(folder: Path) -> Path:
 
 def mlx_quantized(split: Path, bits: int, group_size: int = 32) -> Path:
     """mlx-vlm's split with its matrices in MLX affine (bf16 weights through mx.quantize,
-    those whose last dimension the groups tile, as mlx-lm's conversion picks them) and the
-    config's `quantization`, under both names as mlx-lm writes it."""
+    those whose last dimension the groups tile, as mlx-lm's conversion picks them; experts
+    stacked as switch_mlp, as mlx-vlm writes them) and the config's `quantization`, under
+    both names as mlx-lm writes it."""
     import mlx.core as mx
 
     out = split.with_name(f"{split.name}-{bits}bit")
@@ -96,7 +97,7 @@ def mlx_quantized(split: Path, bits: int, group_size: int = 32) -> Path:
         return out
     shutil.copytree(split, out)
     stored: dict = {}
-    for key, value in load_file(str(split / "model.safetensors")).items():
+    for key, value in _stacked(load_file(str(split / "model.safetensors"))).items():
         array = mx.array(value.float().numpy()).astype(mx.bfloat16)
         if value.ndim >= 2 and value.shape[-1] % group_size == 0:
             module = key.removesuffix(".weight")
@@ -108,6 +109,18 @@ def mlx_quantized(split: Path, bits: int, group_size: int = 32) -> Path:
     settings = {"group_size": group_size, "bits": bits}
     _edit(out, quantization=settings, quantization_config=settings)
     return out
+
+
+def _stacked(tensors: dict) -> dict:
+    """Per-expert `mlp.experts.{j}.{gate,up,down}_proj.weight` as MLX's stacked
+    `mlp.switch_mlp.{gate,up,down}_proj.weight` [E, ...]."""
+    expert = re.compile(r"(.*mlp\.)experts\.(\d+)\.(\w+_proj\.weight)$")
+    out = {k: v for k, v in tensors.items() if not expert.match(k)}
+    groups: dict = {}
+    for key in sorted(k for k in tensors if expert.match(k)):
+        head, j, part = expert.match(key).groups()
+        groups.setdefault(f"{head}switch_mlp.{part}", {})[int(j)] = tensors[key]
+    return out | {k: torch.stack([v[j] for j in sorted(v)]) for k, v in groups.items()}
 
 
 def _edit(folder: Path, **changes) -> None:
@@ -130,13 +143,19 @@ def module_name(key: str) -> str:
 def held_as(held: dict, key: str) -> torch.Tensor:
     """The part of the torch MtpLayer's state that a stored tensor becomes: its module's
     weight, or its expert's rows of the fused gate_up_proj [E, 2I, H] / down_proj."""
+    stacked = re.search(r"mlp\.switch_mlp\.(gate|up|down)_proj\.weight$", key)  # MLX's
+    if stacked is not None:
+        return _expert_part(held, slice(None), stacked[1])
     match = re.search(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", key)
     if match is None:
         return held[module_name(key)]
-    expert, part = int(match[1]), match[2]
+    return _expert_part(held, int(match[1]), match[2])
+
+
+def _expert_part(held: dict, expert: int | slice, part: str) -> torch.Tensor:
     if part == "down":
         return held["layer.mlp.experts.down_proj"][expert]
-    gate, up = held["layer.mlp.experts.gate_up_proj"][expert].chunk(2)
+    gate, up = held["layer.mlp.experts.gate_up_proj"][expert].chunk(2, dim=-2)
     return gate if part == "gate" else up
 
 
@@ -169,23 +188,25 @@ def test_an_fp8_mtp_folder_loads_dequantized_as_transformers_reads_it(folders, n
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bits", [4, 8])
-def test_an_mlx_quantized_mtp_folder_loads_as_mlx_dequantize_reads_it(folders, backend, bits):
+@pytest.mark.parametrize("name, bits", [("qwen3_5", 4), ("qwen3_5", 8), ("qwen3_5_moe", 4)])
+def test_an_mlx_quantized_mtp_folder_loads_as_mlx_dequantize_reads_it(folders, backend, name,
+                                                                      bits):
     import mlx.core as mx
 
-    head = mlx_quantized(split_mtp(folders["qwen3_5"]), bits)
+    head = mlx_quantized(split_mtp(folders[name]), bits)
     stored = mx.load(str(head / "model.safetensors"))
     modules = [k.removesuffix(".scales") for k in stored if k.endswith(".scales")]
-    target = load(backend, without_mtp(folders["qwen3_5"]))
+    target = load(backend, without_mtp(folders[name]))
     layer = layer_of(target, head)
     held = dict(layer.state_dict()) if backend == "torch" else \
         dict(_flat(layer.parameters()))
-    assert len(modules) >= 7
+    assert len(modules) >= 7 and (name == "qwen3_5" or any("switch_mlp" in m for m in modules))
     for module in modules:
         reference = mx.dequantize(stored[f"{module}.weight"], stored[f"{module}.scales"],
                                   stored[f"{module}.biases"], group_size=32, bits=bits)
         expected = np.array(reference.astype(mx.float32))  # the target's dtype: float32
-        got = held[module_name(f"{module}.weight")]
+        got = held[module_name(f"{module}.weight")] if backend == "mlx" else \
+            held_as(held, f"{module}.weight")
         assert np.array_equal(np.array(got) if backend == "mlx" else got.numpy(), expected), \
             module
 
@@ -197,10 +218,11 @@ def _flat(parameters):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("form", ["fp8", "mlx-4bit"])
 def test_speculative_decoding_with_a_quantized_mtp_folder_gives_plain_decodings_tokens(
-        folders, backend, form):
-    folder = folders["qwen3_5"]
+        folders, backend, name, form):
+    folder = folders[name]
     head = fp8_folder(folder) if form == "fp8" else mlx_quantized(split_mtp(folder), 4)
     bare = load(backend, without_mtp(folder))
     plain = list(SpecEngine(bare).generate(PROMPT, SamplingParams(max_new_tokens=16)))[-1]

@@ -38,6 +38,7 @@ FP8_ACTIVATION = (".activation_scale", ".input_scale")  # static activation scal
 AFFINE = (".scales", ".biases")  # P.weight's per-group scales and biases are P + these
 QUANTIZED_SUFFIXES = (FP8_SCALE, *AFFINE, ".weight_scale", *FP8_ACTIVATION)
 FLOAT_SCALES = frozenset({"F32", "BF16", "F16"})
+DEFAULT_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class Quantization:
 
 def read_quantization(folder: Path, config: Mapping[str, Any],
                       stored: Mapping[str, Stored]) -> Quantization | None:
-    """The quantization the folder's config declares, checked against its headers; None for
-    a float folder. SpecdeckError naming what is read for any other quantization, or tensors
-    that are not what the config declares."""
+    """The quantization the folder's config declares, checked against the headers of its
+    MTP layer's tensors (`stored`); None for a float folder. SpecdeckError naming what is
+    read for any other quantization, or tensors that are not what the config declares."""
     declared = _declared(config)
     if declared is None:
         named = _unread(stored, Quantization("no quantization", {}))
@@ -135,7 +136,9 @@ def _declared(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None
 
 def _fp8(folder: Path, settings: Mapping[str, Any], stored: Mapping[str, Stored]
          ) -> Quantization:
-    block = settings.get("weight_block_size")
+    # transformers' FineGrainedFP8Config: 128 x 128 where the config names none, one scale
+    # per tensor where it names null
+    block = settings.get("weight_block_size", DEFAULT_BLOCK)
     block = (int(block[0]), int(block[1])) if block else None
     weights: dict[str, Fp8Blocks | Affine] = {}
     for scale in (k for k in stored if k.endswith(FP8_SCALE)):

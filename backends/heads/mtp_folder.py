@@ -69,6 +69,8 @@ def open_mtp_folder(folder: str | Path, target: Any, target_config: Mapping[str,
     stored = {key: tensor for file_headers in headers.values()
               for key, tensor in file_headers.items()}
     prefix = _prefix(folder, stored)
+    # the MTP layer's tensors only: a whole checkpoint given as the folder holds the target's
+    stored = {key: tensor for key, tensor in stored.items() if key.startswith(prefix)}
     quantization = read_quantization(folder, config, stored)
     shapes = {key: quantization.shape(key, tensor) if quantization else tensor.shape
               for key, tensor in stored.items()}

@@ -114,7 +114,5 @@ def test_a_tree_path_is_kept_in_slots_grown_during_a_forward(tmp_path):
 
 def test_models_the_lean_forward_does_not_compute_keep_the_transformers_forward():
     assert lean_reason(tiny_llama(seed=1).hf) == "its projections are not fused"
-    mistral_config = LlamaConfig(**SHAPE)
-    mistral_config.model_type = "mistral"
-    mistral_config.sliding_window = 64
-    assert "sliding window" in lean_reason(LlamaForCausalLM(mistral_config))
+    gelu_config = LlamaConfig(**SHAPE, hidden_act="gelu")
+    assert "activation is gelu" in lean_reason(LlamaForCausalLM(gelu_config))

@@ -2,16 +2,22 @@
 projections, rotary embedding, output layer) called in the order its layers call them, over a
 static KV cache, with row-wise attention.
 
-Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral without a
-sliding window; Qwen3, whose queries and keys are normed per head before RoPE), torch ops, the
-row-wise attention rule of backends/torch/attention.py. Must not know: drafting or verification
-rules, sessions' block splitting and padding (session.py).
+Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral; Qwen3,
+whose queries and keys are normed per head before RoPE; Gemma 3, whose layers norm each
+sublayer's output too, scale norms by 1 + w, gate with GELU and rotate by one RoPE per layer
+type), sliding-window layers (a row sees the window's last tokens up to its own), torch ops,
+the row-wise attention rule of backends/torch/attention.py. Must not know: drafting or
+verification rules, sessions' block splitting and padding (session.py).
 
 Why: at one row per forward the 1.5B Qwen's int4 decode step spent about 25 of its 95 ms
 outside the matmuls: transformers' per-layer scaffolding (mask and position plumbing, cache
 concatenation, kwargs, output objects, hooks), which llama.cpp does not pay. The math here is
 the same ops on the same tensors, so a row gets the bits the transformers forward gives it:
 every exactness promise (row invariance, tree rows equal to their chain twins) carries over.
+One exception: a later prompt past the row-wise limit attends a sliding-window layer in one
+masked call over the window's slots, where transformers' keys are what its cache kept, so
+those rows may round differently (plain and speculative decoding share this forward, so the
+tokens they give still match).
 """
 
 from __future__ import annotations
@@ -28,10 +34,16 @@ from backends.torch import lean_ops
 from backends.torch.attention import MAX_ROWWISE_ROWS
 
 # model types whose decoder layers are input norm, attention (q/k/v with optional bias, an
-# optional per-head q/k norm, rope, o), post-attention norm, gated MLP: the only layout this
-# forward computes
-LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral", "qwen3"})
+# optional per-head q/k norm, rope, o), a norm, gated MLP (Gemma 3: with a norm after each
+# sublayer too): the only layouts this forward computes
+LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral", "qwen3", "gemma3_text"})
+OFFSET_NORMS = frozenset({"gemma3_text"})  # RMSNorm scales by 1 + weight, in float32
+ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
 FIRST_CAPACITY = 512  # cache slots allocated at first; doubled as the sequence grows
+# tokens a sliding window keeps past what its next row sees: a rewind that far back (a
+# drafter's k steps, a rejected verify) needs no replay
+SPARE = MAX_ROWWISE_ROWS
 
 Keys = slice | torch.Tensor  # the cache slots one query row attends to
 
@@ -41,16 +53,32 @@ def lean_reason(hf: Any) -> str | None:
     config = hf.config
     if config.model_type not in LLAMA_STYLE:
         return f"model type {config.model_type} is not a Llama-style decoder"
-    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return "it has sliding-window or recurrent layers"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "it attends through a sliding window"
-    if config.hidden_act != "silu":
-        return f"its activation is {config.hidden_act}"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) - ATTENTION_TYPES:
+        return "it has recurrent layers"
+    activation = getattr(config, "hidden_activation", None) or config.hidden_act
+    if activation not in ACTIVATIONS:
+        return f"its activation is {activation}"
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None):
+            return f"it caps its logits ({cap})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "it attends both ways"
     for layer in hf.model.layers:
         if not (hasattr(layer.self_attn, "qkv_fused") and hasattr(layer.mlp, "gate_up_fused")):
             return "its projections are not fused"
     return None
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' masks read the
+    config: the layers layer_types names sliding, or every layer where it names none."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * int(config.num_hidden_layers)
+    if types is None:
+        return [int(window)] * int(config.num_hidden_layers)
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
 @dataclass(frozen=True)
@@ -58,48 +86,124 @@ class _Layer:
     input_norm: torch.nn.Module
     qkv: torch.nn.Module
     o_proj: torch.nn.Module
-    post_norm: torch.nn.Module
+    post_norm: torch.nn.Module  # the MLP's input norm
     gate_up: torch.nn.Module
     down_proj: torch.nn.Module
     intermediate: int
-    q_norm: torch.nn.Module | None  # Qwen3's per-head norms, before RoPE; None for Llama's
+    q_norm: torch.nn.Module | None  # Qwen3's and Gemma's per-head norms, before RoPE
     k_norm: torch.nn.Module | None
+    act: torch.nn.Module  # the gate's activation
+    silu: bool
+    attention_out_norm: torch.nn.Module | None  # Gemma's norms of each sublayer's output
+    mlp_out_norm: torch.nn.Module | None
+    window: int | None  # a sliding-window layer's window
+    rope: str | None  # the layer type whose RoPE rotates it, where they differ by type
 
 
-class StaticKV:
-    """Keys and values of every layer in preallocated slots [layers, kv heads, slots, dim];
-    slot i holds the sequence's i-th token. Cutting back is setting `length`."""
+def _layer(layer: Any, window: int | None, rope: str | None, silu: bool) -> _Layer:
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    return _Layer(
+        layer.input_layernorm, layer.self_attn.qkv_fused.layer, layer.self_attn.o_proj,
+        layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+        layer.mlp.gate_up_fused.layer, layer.mlp.down_proj, int(layer.mlp.gate_up_fused.sizes[0]),
+        getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None),
+        layer.mlp.act_fn, silu, layer.post_attention_layernorm if sandwich else None,
+        layer.post_feedforward_layernorm if sandwich else None, window, rope)
+
+
+class _Group:
+    """Keys and values of the layers that share a window (or none) in slots [layers, kv
+    heads, slots, dim]; slot i holds token offset + i. A window's group lets go of tokens no
+    row will see again, so it holds about window + SPARE tokens, not the context."""
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 limit: int) -> None:
-        self.limit = limit
-        self.length = 0
-        shape = (n_layers, kv_heads, min(FIRST_CAPACITY, limit), head_dim)
+                 limit: int, window: int | None) -> None:
+        self.window, self.limit, self.offset = window, limit, 0
+        self.base = limit if window is None else min(limit, 2 * (window + SPARE))
+        shape = (n_layers, kv_heads, min(FIRST_CAPACITY, self.base), head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
 
-    def reserve(self, slots: int) -> None:
-        """Room for `slots` tokens in all (doubling, up to the context length)."""
-        have = self.keys.shape[2]
-        if slots <= have:
-            return
-        size = min(max(slots, 2 * have), max(self.limit, slots))
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
-            new[:, :, :have] = old
-            setattr(self, name, new)
+    def reserve(self, length: int, end: int) -> None:
+        """Room for tokens up to `end` after the first `length` (doubling, up to the
+        context length); a window slides first once its slots are spent."""
+        if self.window is not None:
+            keep = max(0, length - (self.window - 1) - SPARE)
+            if end - self.offset > self.base and keep > self.offset:
+                self._slide(keep, length)
+        need, have = end - self.offset, self.keys.shape[2]
+        if need > have:
+            self._copy(self.offset, have, min(max(need, 2 * have), max(self.limit, need)))
 
-    def select(self, length: int, slots: Sequence[int]) -> None:
-        """Keep the first `length` tokens, then the tokens in `slots` (ascending), in order."""
-        index = torch.tensor(list(slots), dtype=torch.long)
-        end = length + len(index)
+    def reaches(self, length: int) -> bool:
+        """Whether a row at position `length` finds every token it sees."""
+        return self.window is None or self.offset <= max(0, length - (self.window - 1))
+
+    def select(self, length: int, tokens: Sequence[int]) -> None:
+        """Keep the first `length` tokens, then `tokens` (ascending), in order."""
+        index = torch.tensor([t - self.offset for t in tokens], dtype=torch.long)
+        at = length - self.offset
         # slots grown inside a forward are inference tensors, writable only in inference mode
         # (a tree's kept path after a 600-token rag prompt raised here, outside it)
         with torch.inference_mode():
-            self.keys[:, :, length:end] = self.keys.index_select(2, index)
-            self.values[:, :, length:end] = self.values.index_select(2, index)
-        self.length = end
+            self.keys[:, :, at:at + len(index)] = self.keys.index_select(2, index)
+            self.values[:, :, at:at + len(index)] = self.values.index_select(2, index)
+
+    def _slide(self, keep: int, length: int) -> None:
+        """Tokens keep..length - 1 into slots 0.., in base slots again where they fit (a long
+        prompt grew them)."""
+        self._copy(keep, length - keep, max(length - keep, min(self.keys.shape[2], self.base)))
+
+    def _copy(self, token: int, count: int, size: int) -> None:
+        """New tensors of `size` slots holding `count` tokens from `token` on, at slot 0."""
+        at = token - self.offset
+        with torch.inference_mode():
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], size, old.shape[3]))
+                new[:, :, :count] = old[:, :, at:at + count]
+                setattr(self, name, new)
+        self.offset = token
+
+
+class StaticKV:
+    """Keys and values of every layer in preallocated slots, full-attention layers for the
+    whole context, each sliding window's layers for its last tokens; cutting back is setting
+    `length`, within what the windows still hold (`reaches`)."""
+
+    def __init__(self, windows: Sequence[int | None], kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, limit: int) -> None:
+        self.limit = limit
+        self.length = 0
+        kinds = list(dict.fromkeys(windows))
+        self._groups = [_Group(windows.count(w), kv_heads, head_dim, dtype, limit, w)
+                        for w in kinds]
+        self._where = [(kinds.index(w), windows[:i].count(w)) for i, w in enumerate(windows)]
+
+    def reserve(self, slots: int) -> None:
+        """Room for `slots` tokens in all."""
+        for group in self._groups:
+            group.reserve(self.length, slots)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layer `index`'s keys and values [kv heads, slots, dim] and the token in slot 0."""
+        group, at = self._where[index]
+        held = self._groups[group]
+        return held.keys[at], held.values[at], held.offset
+
+    def offset(self, window: int | None) -> int:
+        """The token in slot 0 of the layers with this window."""
+        return next(g.offset for g in self._groups if g.window == window)
+
+    def reaches(self, length: int) -> bool:
+        """Whether cutting back to `length` tokens keeps what the next row sees."""
+        return all(group.reaches(length) for group in self._groups)
+
+    def select(self, length: int, slots: Sequence[int]) -> None:
+        """Keep the first `length` tokens, then the tokens in `slots` (ascending), in order."""
+        for group in self._groups:
+            group.select(length, slots)
+        self.length = length + len(slots)
 
 
 @dataclass(frozen=True)
@@ -124,24 +228,32 @@ class LeanDecoder:
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None)
                             or config.hidden_size // config.num_attention_heads)
-        self._layers = [_Layer(layer.input_layernorm, layer.self_attn.qkv_fused.layer,
-                               layer.self_attn.o_proj, layer.post_attention_layernorm,
-                               layer.mlp.gate_up_fused.layer, layer.mlp.down_proj,
-                               int(layer.mlp.gate_up_fused.sizes[0]),
-                               getattr(layer.self_attn, "q_norm", None),
-                               getattr(layer.self_attn, "k_norm", None))
-                        for layer in hf.model.layers]
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        # Gemma 3 rotates each layer type by its own RoPE (local and global bases)
+        by_type = isinstance(getattr(hf.model.rotary_emb, "rope_type", None), dict)
+        types = list(getattr(config, "layer_types", None) or [])
+        self._layers = [_layer(layer, window, types[i] if by_type else None,
+                               activation == "silu")
+                        for i, (layer, window) in enumerate(zip(hf.model.layers,
+                                                                layer_windows(config)))]
         self._scaling = float(hf.model.layers[0].self_attn.scaling)
         self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
-        # (weight, eps) of each layer's input norm, then of the final norm; each post norm's
-        self._norms = [_weight_eps(layer.input_norm) for layer in self._layers] + [
-            _weight_eps(hf.model.norm)]
-        self._post_norms = [_weight_eps(layer.post_norm) for layer in self._layers]
+        offset = config.model_type in OFFSET_NORMS
+        # (weight, eps) of each layer's input norm, then of the final norm; each MLP input
+        # norm's; each sublayer output norm's (Gemma)
+        self._norms = [_weight_eps(layer.input_norm, offset) for layer in self._layers] + [
+            _weight_eps(hf.model.norm, offset)]
+        self._post_norms = [_weight_eps(layer.post_norm, offset) for layer in self._layers]
+        self._out_norms = [
+            tuple(_weight_eps(norm, offset) if norm is not None else None
+                  for norm in (layer.attention_out_norm, layer.mlp_out_norm))
+            for layer in self._layers]
         self.in_c = _in_c(hf, self.head_dim, self._layers[0].intermediate)
 
     def new_cache(self, limit: int) -> StaticKV:
         """An empty cache that grows up to `limit` slots (the model's context length)."""
-        return StaticKV(len(self._layers), self.kv_heads, self.head_dim, self._hf.dtype, limit)
+        return StaticKV([layer.window for layer in self._layers], self.kv_heads, self.head_dim,
+                        self._hf.dtype, limit)
 
     def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
                 keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int] = (),
@@ -195,25 +307,43 @@ class LeanDecoder:
             out.append((mine, {i: h[start:end] for i, h in captured.items()}))
         return out
 
+    def _ropes(self, x: torch.Tensor, positions: list[int]
+               ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [rows, dim] of the rows' positions, per RoPE the layers use."""
+        model, at = self._hf.model, torch.tensor([positions])
+        out = {}
+        for kind in dict.fromkeys(layer.rope for layer in self._layers):
+            cos, sin = (model.rotary_emb(x[None], at) if kind is None
+                        else model.rotary_emb(x[None], at, kind))
+            out[kind] = cos[0], sin[0]
+        return out
+
     def _layers_in_torch(self, segments: Sequence[Segment], spans: list[tuple[int, int, int]],
                          ids: list[int], positions: list[int], want: frozenset[int]
                          ) -> tuple[torch.Tensor, None, dict[int, torch.Tensor]]:
-        model = self._hf.model
-        x = model.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        cos, sin = model.rotary_emb(x[None], torch.tensor([positions]))
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, dim]: broadcast over heads
+        x = self._hf.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        # [rows, 1, dim]: broadcast over heads
+        ropes = {kind: (cos[:, None], sin[:, None])
+                 for kind, (cos, sin) in self._ropes(x, positions).items()}
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self._layers):
             qkv = self._head_norms(layer, layer.qkv(layer.input_norm(x)))
+            cos, sin = ropes[layer.rope]
             attended = torch.cat([
                 self._attention(qkv[start:end], index, segment.cache, first, cos[start:end],
                                 sin[start:end], segment.keys)
                 for (start, end, first), segment in zip(spans, segments)])
-            x = x + layer.o_proj(attended)
+            out = layer.o_proj(attended)
+            if layer.attention_out_norm is not None:
+                out = layer.attention_out_norm(out)
+            x = x + out
             gate_up = layer.gate_up(layer.post_norm(x))
             gate, up = gate_up.narrow(-1, 0, layer.intermediate), gate_up.narrow(
                 -1, layer.intermediate, layer.intermediate)
-            x = x + layer.down_proj(F.silu(gate) * up)
+            out = layer.down_proj(layer.act(gate) * up)
+            if layer.mlp_out_norm is not None:
+                out = layer.mlp_out_norm(out)
+            x = x + out
             if index in want:
                 captured[index] = x
         return x, None, captured
@@ -223,35 +353,52 @@ class LeanDecoder:
                      ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The layers with the steps between matmuls in lean_ops' C: a prompt's rows (keys
         None) attend as a chain's do, each to the slots up to its own."""
-        model, heads, kv_heads, dim = self._hf.model, self.heads, self.kv_heads, self.head_dim
-        x = model.embed_tokens(torch.tensor(ids, dtype=torch.long)).contiguous()
-        cos, sin = model.rotary_emb(x[None], torch.tensor([positions]))
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [rows, dim]
-        slots = [lean_ops.Slots.of(segment.keys, first, end - start)
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        x = self._hf.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).contiguous()
+        ropes = {kind: (cos.contiguous(), sin.contiguous())
+                 for kind, (cos, sin) in self._ropes(x, positions).items()}
+        windows = set(layer.window for layer in self._layers)
+        slots = [{w: lean_ops.Slots.of(
+                      segment.keys if w is None else window_keys(
+                          segment.keys, first, end - start, w, segment.cache.offset(w)),
+                      first, end - start) for w in windows}
                  for (start, end, first), segment in zip(spans, segments)]
         captured: dict[int, torch.Tensor] = {}
         normed = lean_ops.rmsnorm(x, *self._norms[0])
         for index, layer in enumerate(self._layers):
             qkv = self._head_norms(layer, layer.qkv(normed))
-            lean_ops.rope(qkv, heads + kv_heads, dim, cos, sin)
+            lean_ops.rope(qkv, heads + kv_heads, dim, *ropes[layer.rope])
             parts = []
             for (start, end, first), segment, seen in zip(spans, segments, slots):
                 rows = qkv[start:end]
-                layer_keys = segment.cache.keys[index]
-                layer_values = segment.cache.values[index]
+                layer_keys, layer_values, offset = segment.cache.layer(index)
                 lean_ops.store_kv(rows, heads * dim, (heads + kv_heads) * dim, kv_heads, dim,
-                                  layer_keys, layer_values, first)
+                                  layer_keys, layer_values, first - offset)
                 parts.append(lean_ops.attention(rows, heads, kv_heads, dim, layer_keys,
-                                                layer_values, seen, self._scaling))
+                                                layer_values, seen[layer.window],
+                                                self._scaling))
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x, normed = lean_ops.add_rmsnorm(x, layer.o_proj(attended),
-                                             *self._post_norms[index])
-            down = layer.down_proj(lean_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
+            attention_out, mlp_out = self._out_norms[index]
+            out = layer.o_proj(attended)
+            if attention_out is not None:
+                out = lean_ops.rmsnorm(out, *attention_out)
+            x, normed = lean_ops.add_rmsnorm(x, out, *self._post_norms[index])
+            down = layer.down_proj(self._gated(layer, layer.gate_up(normed)))
+            if mlp_out is not None:
+                down = lean_ops.rmsnorm(down, *mlp_out)
             # the next layer's input norm, or the final norm after the last layer
             x, normed = lean_ops.add_rmsnorm(x, down, *self._norms[index + 1])
             if index in want:
                 captured[index] = x
         return x, normed, captured
+
+    @staticmethod
+    def _gated(layer: _Layer, gate_up: torch.Tensor) -> torch.Tensor:
+        if layer.silu:
+            return lean_ops.silu_mul(gate_up, layer.intermediate)
+        gate, up = gate_up.narrow(-1, 0, layer.intermediate), gate_up.narrow(
+            -1, layer.intermediate, layer.intermediate)
+        return (layer.act(gate) * up).contiguous()
 
     def _head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """qkv with its queries and keys normed per head (Qwen3), as transformers norms the
@@ -273,18 +420,24 @@ class LeanDecoder:
                      cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim).view(n, kv_heads, dim)
-        end = first + n
-        cache.keys[index, :, first:end] = k.transpose(0, 1)
-        cache.values[index, :, first:end] = v.transpose(0, 1)
+        layer_keys, layer_values, offset = cache.layer(index)
+        window = self._layers[index].window
+        at, end = first - offset, first - offset + n
+        layer_keys[:, at:end] = k.transpose(0, 1)
+        layer_values[:, at:end] = v.transpose(0, 1)
         if keys is None:
             # a first prompt attends to its own rows as transformers hands them over (SDPA's
             # bits depend on the strides of its keys); a later one to the cache's slots
+            start = 0 if window is None or first == 0 else max(0, first - window + 1) - offset
             key, value = ((k.contiguous().transpose(0, 1)[None], v.transpose(0, 1)[None])
                           if first == 0 else
-                          (cache.keys[index, None, :, :end].contiguous(),
-                           cache.values[index, None, :, :end].contiguous()))
-            return self._prompt_attention(q.contiguous(), key, value, first)
-        key, value = cache.keys[index, None, :, :end], cache.values[index, None, :, :end]
+                          (layer_keys[None, :, start:end].contiguous(),
+                           layer_values[None, :, start:end].contiguous()))
+            return self._prompt_attention(q.contiguous(), key, value,
+                                          _prompt_mask(n, first, start + offset, window))
+        if window is not None:
+            keys = window_keys(keys, first, n, window, offset)
+        key, value = layer_keys[None, :, :end], layer_values[None, :, :end]
         packed = q.view(n, kv_heads, heads // kv_heads, dim)
         rows = [F.scaled_dot_product_attention(packed[r][None], key[:, :, seen],
                                                value[:, :, seen], scale=self._scaling)
@@ -292,17 +445,43 @@ class LeanDecoder:
         return (rows[0] if n == 1 else torch.stack(rows)).reshape(n, heads * dim)
 
     def _prompt_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          first: int) -> torch.Tensor:
-        n, end = q.shape[0], key.shape[2]
-        # transformers drops the mask of a first prompt and lets SDPA be causal itself
-        mask = (None if first == 0 else
-                torch.ones((n, end), dtype=torch.bool).tril(diagonal=first)[None, None])
+                          mask: torch.Tensor | None) -> torch.Tensor:
         out, _ = sdpa_attention_forward(self._attn, q.transpose(0, 1)[None], key, value, mask,
                                         scaling=self._scaling)
-        return out.reshape(n, self.heads * self.head_dim)
+        return out.reshape(q.shape[0], self.heads * self.head_dim)
 
 
-def _weight_eps(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+def _prompt_mask(n: int, first: int, lead: int, window: int | None) -> torch.Tensor | None:
+    """[1, 1, n, keys] which keys (tokens lead..first + n - 1) each prompt row at first + r
+    sees, as transformers masks a prompt; None where it lets SDPA be causal itself (a first
+    prompt, shorter than any window)."""
+    if first == 0 and (window is None or n < window):
+        return None
+    rows = torch.arange(first, first + n)[:, None]
+    tokens = torch.arange(lead, first + n)[None, :]
+    seen = tokens <= rows
+    if window is not None:
+        seen &= tokens > rows - window
+    return seen[None, None]
+
+
+def window_keys(keys: Sequence[Keys] | None, first: int, n: int, window: int,
+                offset: int) -> list[Keys]:
+    """Each chain row's slots in a sliding-window layer whose slot 0 holds token `offset`:
+    the window's last tokens up to its own. Trees are refused on these targets first."""
+    out: list[Keys] = []
+    for r in range(n):
+        seen = slice(0, first + r + 1) if keys is None else keys[r]
+        if not isinstance(seen, slice):
+            raise ValueError("a sliding-window layer attends along a chain only")
+        out.append(slice(max(0, seen.stop - window) - offset, seen.stop - offset))
+    return out
+
+
+def _weight_eps(norm: torch.nn.Module, offset: bool) -> tuple[torch.Tensor, float]:
+    """The weight the C norm multiplies by, and the norm's epsilon (Gemma's: 1 + w)."""
+    if offset:
+        return (1.0 + norm.weight.float()).contiguous(), float(norm.eps)
     return norm.weight, float(norm.variance_epsilon)
 
 

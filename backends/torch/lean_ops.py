@@ -46,7 +46,7 @@ def _library() -> ctypes.CDLL:
     library.lo_add_rmsnorm.argtypes = [p, p, p, f, i, i, p, p]
     library.lo_rope.argtypes = [p, i, i, i, i, p, p]
     library.lo_store_kv.argtypes = [p, i, i, i, i, i, i, p, p, i, i]
-    library.lo_attention.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, f, p]
+    library.lo_attention.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, p, f, p]
     library.lo_attention.restype = i
     library.lo_silu_mul.argtypes = [p, i, i, p]
     return library
@@ -66,9 +66,10 @@ def fits(hidden: int, intermediate: int, head_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class Slots:
-    """Each row's visible slots as the kernel reads them: prefix[r] first slots, then
-    extra[offsets[r]:offsets[r + 1]]; built once per forward, read by every layer."""
+    """Each row's visible slots as the kernel reads them: slots start[r]..prefix[r] - 1, then
+    extra[offsets[r]:offsets[r + 1]]; built once per forward, read by every layer it serves."""
 
+    start: torch.Tensor  # int32 [rows]: 0, or where a sliding window begins
     prefix: torch.Tensor  # int32 [rows]
     offsets: torch.Tensor  # int32 [rows + 1]
     extra: torch.Tensor  # int32 [at least 1]
@@ -76,19 +77,21 @@ class Slots:
     @classmethod
     def of(cls, keys: Sequence[Keys] | None, first: int, rows: int) -> Slots:
         """keys as decoder.py gives them; None: causal rows, each seeing slots up to itself."""
-        prefix, extra, offsets = [], [], [0]
+        start, prefix, extra, offsets = [], [], [], [0]
         for r in range(rows):
             seen = slice(0, first + r + 1) if keys is None else keys[r]
             if isinstance(seen, slice):
+                start.append(seen.start or 0)
                 prefix.append(seen.stop)
             else:
                 slots = seen.tolist()
                 lead = next((j for j, s in enumerate(slots) if s != j), len(slots))
+                start.append(0)
                 prefix.append(lead)
                 extra += slots[lead:]
             offsets.append(len(extra))
         as_int = functools.partial(torch.tensor, dtype=torch.int32)
-        return cls(as_int(prefix), as_int(offsets), as_int(extra or [0]))
+        return cls(as_int(start), as_int(prefix), as_int(offsets), as_int(extra or [0]))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,8 +130,8 @@ def attention(qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, keys: torc
     out = torch.empty((qkv.shape[0], heads * dim), dtype=torch.float32)
     status = _library().lo_attention(
         qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, kv_heads, dim, keys.data_ptr(),
-        values.data_ptr(), keys.shape[1], slots.prefix.data_ptr(), slots.offsets.data_ptr(),
-        slots.extra.data_ptr(), scale, out.data_ptr())
+        values.data_ptr(), keys.shape[1], slots.start.data_ptr(), slots.prefix.data_ptr(),
+        slots.offsets.data_ptr(), slots.extra.data_ptr(), scale, out.data_ptr())
     if status != 0:
         raise MemoryError("attention could not allocate its scores")
     return out

@@ -218,6 +218,22 @@ class TorchSession(ABC):
     def _crop(self, length: int) -> None:
         """Cut the cache (not the ids) to at most `length` tokens."""
 
+    @abstractmethod
+    def _reset(self) -> None:
+        """An empty cache in place of this session's."""
+
+    def _replay(self, length: int) -> None:
+        """The cache of the first `length` tokens, computed again: what it kept does not
+        reach that far back (a new prompt sharing an older prefix). The ids stay as they
+        were."""
+        ids, self._ids = self._ids, []
+        self._reset()
+        try:
+            if length:
+                self.forward(ids[:length], n_logits=1)
+        finally:
+            self._ids = ids
+
 
 class LeanSession(TorchSession):
     """A session on the model's LeanDecoder and a static cache; the decoder hands captured
@@ -251,7 +267,13 @@ class LeanSession(TorchSession):
         self._static.select(length, [length + r for r in rows])
 
     def _crop(self, length: int) -> None:
+        if length < self._static.length and not self._static.reaches(length):
+            self._replay(length)  # a sliding window let go of what that row would see
+            return
         self._static.length = min(self._static.length, length)
+
+    def _reset(self) -> None:
+        self._static = self._lean.new_cache(self._model.context_length)
 
 
 class HfSession(TorchSession):
@@ -330,16 +352,8 @@ class HfSession(TorchSession):
             if extra > 0:
                 layer.crop(-extra)  # transformers 5 crops by a negative count of tokens
 
-    def _replay(self, length: int) -> None:
-        """The cache of the first `length` tokens, computed again: nothing was recorded that
-        far back (a new prompt sharing an older prefix). The ids stay as they were."""
-        ids, self._ids = self._ids, []
+    def _reset(self) -> None:
         self._cache, self._past = self._new_cache()
-        try:
-            if length:
-                self.forward(ids[:length], n_logits=1)
-        finally:
-            self._ids = ids
 
 
 def _recorder(store: Hidden, layer: int) -> Callable[[Any, Any, Any], None]:

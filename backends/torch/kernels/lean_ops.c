@@ -224,18 +224,19 @@ static inline float dot(const float *a, const float *b, int dim) {
     return v_sum(acc);
 }
 
-static inline int slot_of(int j, int prefix, const int *extra) {
-    return j < prefix ? j : extra[j - prefix];
+static inline int slot_of(int j, int start, int lead, const int *extra) {
+    return j < lead ? start + j : extra[j - lead];
 }
 
-/* One query head of one row over its slots: slots 0..prefix-1, then extra[0..n_extra-1]. */
-static void attend(const float *q, const float *keys, const float *values, int prefix,
+/* One query head of one row over its slots: slots start..start+lead-1, then
+ * extra[0..n_extra-1]. */
+static void attend(const float *q, const float *keys, const float *values, int start, int lead,
                    const int *extra, int n_extra, int dim, float scale, float *scores,
                    float *out) {
-    int n = prefix + n_extra;
+    int n = lead + n_extra;
     float top = -INFINITY;
     for (int j = 0; j < n; j++) {
-        scores[j] = dot(q, keys + (size_t)slot_of(j, prefix, extra) * dim, dim) * scale;
+        scores[j] = dot(q, keys + (size_t)slot_of(j, start, lead, extra) * dim, dim) * scale;
         top = scores[j] > top ? scores[j] : top;
     }
     int j = 0;
@@ -257,7 +258,7 @@ static void attend(const float *q, const float *keys, const float *values, int p
     for (int i = 0; i < dim / LANES; i++)
         acc[i] = v_zero();
     for (int k = 0; k < n; k++) {
-        const float *v = values + (size_t)slot_of(k, prefix, extra) * dim;
+        const float *v = values + (size_t)slot_of(k, start, lead, extra) * dim;
         vec p = v_set(scores[k]);
         for (int i = 0; i < dim / LANES; i++)
             acc[i] = v_fmadd(p, v_load(v + LANES * i), acc[i]);
@@ -267,14 +268,16 @@ static void attend(const float *q, const float *keys, const float *values, int p
 }
 
 /* out [rows, heads*dim] = softmax(q k^T * scale) v per row and query head, over the row's
- * slots (prefix[r] first slots, then extra[offsets[r]..offsets[r+1]-1]) of one layer's cache;
- * query head h reads kv head h / (heads / kv_heads). q: each qkv row's first heads*dim. */
+ * slots (slots start[r]..prefix[r]-1, then extra[offsets[r]..offsets[r+1]-1]) of one layer's
+ * cache; query head h reads kv head h / (heads / kv_heads). q: each qkv row's first heads*dim.
+ * A sliding-window row starts past slot 0. */
 int lo_attention(const float *qkv, int rows, int stride, int heads, int kv_heads, int dim,
-                 const float *keys, const float *values, int capacity, const int *prefix,
-                 const int *offsets, const int *extra, float scale, float *out) {
+                 const float *keys, const float *values, int capacity, const int *start,
+                 const int *prefix, const int *offsets, const int *extra, float scale,
+                 float *out) {
     int most = 0, group = heads / kv_heads;
     for (int r = 0; r < rows; r++) {
-        int n = prefix[r] + offsets[r + 1] - offsets[r];
+        int n = prefix[r] - start[r] + offsets[r + 1] - offsets[r];
         most = n > most ? n : most;
     }
     int failed = 0;
@@ -292,8 +295,9 @@ int lo_attention(const float *qkv, int rows, int stride, int heads, int kv_heads
             int r = task / heads, h = task % heads, g = h / group;
             size_t layer = (size_t)g * capacity * dim;
             attend(qkv + (size_t)r * stride + (size_t)h * dim, keys + layer, values + layer,
-                   prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], dim, scale,
-                   scores, out + ((size_t)r * heads + h) * dim);
+                   start[r], prefix[r] - start[r], extra + offsets[r],
+                   offsets[r + 1] - offsets[r], dim, scale, scores,
+                   out + ((size_t)r * heads + h) * dim);
         }
         free(scores);
     }

@@ -36,7 +36,9 @@ RUNTIME_BYTES = {"torch": 400 * 2**20, "mlx": 270 * 2**20}
 # DynamicSlidingWindowLayer keeps window - 1 rows and a forward of n rows adds n (so a plain
 # step holds the window); MLX's WindowCache keeps window - 1 + SPARE (64, backends/mlx/rewind.py)
 # so a rewind leaves a full window. A verify of k drafts adds k more (Fit.spare_rows). Not
-# counted: mlx-lm's buffer growing in steps of 256 rows, as for every KV cache here.
+# counted: mlx-lm's buffer growing in steps of 256 rows, as for every KV cache here, and the
+# slack of torch's lean CPU forward (backends/torch/decoder.py: window + 128 slots a sliding
+# layer, slots doubled as a full layer's sequence grows).
 WINDOW_SPARE = {"torch": 0, "mlx": 64}
 
 

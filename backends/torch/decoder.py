@@ -114,12 +114,14 @@ def _layer(layer: Any, window: int | None, rope: str | None, silu: bool) -> _Lay
 class _Group:
     """Keys and values of the layers that share a window (or none) in slots [layers, kv
     heads, slots, dim]; slot i holds token offset + i. A window's group lets go of tokens no
-    row will see again, so it holds about window + SPARE tokens, not the context."""
+    row will see again, so it holds window + 2 SPARE slots, not the context: window - 1 +
+    SPARE tokens kept at a slide, room for a verify's rows after them. A slide copies the
+    kept rows, every SPARE tokens or so: a few rows a token."""
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  limit: int, window: int | None) -> None:
         self.window, self.limit, self.offset = window, limit, 0
-        self.base = limit if window is None else min(limit, 2 * (window + SPARE))
+        self.base = limit if window is None else min(limit, window + 2 * SPARE)
         shape = (n_layers, kv_heads, min(FIRST_CAPACITY, self.base), head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)

@@ -34,7 +34,9 @@ from gguf import (  # noqa: E402
 )
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from backends.torch.backend import TorchModel  # noqa: E402
+from app.core.engine import SpecEngine  # noqa: E402
+from app.core.types import Done, SamplingParams  # noqa: E402
+from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from tests.tiny import tiny_tokenizer, write_shape  # noqa: E402
 from tests.tiny_families import CONFIGS  # noqa: E402
 
@@ -56,6 +58,29 @@ ARCHITECTURES = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
 PRE_TOKENIZERS = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
 # kept F32 whatever the file type: llama.cpp's converter never quantizes a router
 F32_MATRICES = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
+
+
+def load_files(files: dict[int, Path]) -> dict[int, TorchModel]:
+    """Each written file loaded on its own blocks, decoding every new token it is asked for."""
+    loaded = {kind: TorchBackend().load(str(path), device="cpu", dtype="gguf")
+              for kind, path in files.items()}
+    for model in loaded.values():
+        model.eos_token_ids = frozenset()  # every run decodes the tokens asked
+    return loaded
+
+
+def logits(model: TorchModel, ids: list[int]) -> torch.Tensor:
+    """Every position's logits from the model's own forward."""
+    with torch.no_grad():
+        return model.hf(torch.tensor([ids])).logits[0]
+
+
+def decoded(model: TorchModel, prompt: list[int], new: int, drafter=None, k: int = 0) -> Done:
+    """The engine's finished greedy generation of `new` tokens after `prompt`."""
+    done = list(SpecEngine(model).generate(prompt, SamplingParams(max_new_tokens=new),
+                                           drafter=drafter, k=k))[-1]
+    assert isinstance(done, Done) and done.error is None, done
+    return done
 
 
 def tiny_qwen35(seed: int = 1) -> TorchModel:

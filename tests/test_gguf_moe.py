@@ -21,15 +21,23 @@ from gguf import GGMLQuantizationType as T
 
 torch = pytest.importorskip("torch")
 
-from app.core.engine import SpecEngine  # noqa: E402
-from app.core.types import Done, SamplingParams  # noqa: E402
+from app.core.types import Done  # noqa: E402
 from app.drafters.ngram import NgramDrafter  # noqa: E402
 from backends.gguf_tensors import open_tensors  # noqa: E402
 from backends.torch import gguf_model  # noqa: E402
 from backends.torch.backend import TorchBackend, auto_cpu_dtype  # noqa: E402
 from backends.torch.gguf_experts import GgufExperts, GgufRouter  # noqa: E402
 from backends.torch.gguf_layers import GgufLinear, Part  # noqa: E402
-from tests.qwen35_gguf import ARCHITECTURES, F32, moe_twin, save_qwen35_gguf, tiny_moe  # noqa: E402
+from tests.qwen35_gguf import (  # noqa: E402
+    ARCHITECTURES,
+    F32,
+    decoded,
+    load_files,
+    logits,
+    moe_twin,
+    save_qwen35_gguf,
+    tiny_moe,
+)
 from tests.test_engine import oracle  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gguf_model.unavailable_reason() is not None,
@@ -64,11 +72,7 @@ def files(source, family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(files):
-    loaded = {kind: TorchBackend().load(str(path), device="cpu", dtype="gguf")
-              for kind, path in files.items()}
-    for model in loaded.values():
-        model.eos_token_ids = frozenset()  # every run decodes NEW tokens
-    return loaded
+    return load_files(files)
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +81,8 @@ def plain(models):
     return functools.cache(lambda kind: list(generate(models[kind]).token_ids))
 
 
-def logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model.hf(torch.tensor([ids])).logits[0]
-
-
 def generate(model, drafter=None, k: int = 0) -> Done:
-    done = list(SpecEngine(model).generate(PROMPT, SamplingParams(max_new_tokens=NEW),
-                                           drafter=drafter, k=k))[-1]
-    assert isinstance(done, Done) and done.error is None, done
-    return done
+    return decoded(model, PROMPT, NEW, drafter, k)
 
 
 def moe_blocks(model) -> list[torch.nn.Module]:

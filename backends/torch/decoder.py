@@ -5,9 +5,13 @@ static KV cache, with row-wise attention.
 Knows: the module names of transformers' Llama-family layers (Llama, Qwen2, Mistral; Qwen3,
 whose queries and keys are normed per head before RoPE; Gemma 3, whose layers norm each
 sublayer's output too, scale norms by 1 + w, gate with GELU and rotate by one RoPE per layer
-type), sliding-window layers (a row sees the window's last tokens up to its own), torch ops,
-the row-wise attention rule of backends/torch/attention.py. Must not know: drafting or
-verification rules, sessions' block splitting and padding (session.py).
+type; Gemma 4's dense text decoder, which also norms its values without a scale, gives its
+full layers their own head width and key heads, and in those takes the keys' projection as
+the values (attention_k_eq_v), scales each layer's output by a scalar and caps its final
+logits), each layer's cache geometry (sliding window, key heads, head width), sliding-window
+layers (a row sees the window's last tokens up to its own), torch ops, the row-wise attention
+rule of backends/torch/attention.py. Must not know: drafting or verification rules,
+sessions' block splitting and padding (session.py).
 
 Why: at one row per forward the 1.5B Qwen's int4 decode step spent about 25 of its 95 ms
 outside the matmuls: transformers' per-layer scaffolding (mask and position plumbing, cache
@@ -34,10 +38,16 @@ from backends.torch import lean_ops
 from backends.torch.attention import MAX_ROWWISE_ROWS
 
 # model types whose decoder layers are input norm, attention (q/k/v with optional bias, an
-# optional per-head q/k norm, rope, o), a norm, gated MLP (Gemma 3: with a norm after each
-# sublayer too): the only layouts this forward computes
-LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral", "qwen3", "gemma3_text"})
+# optional per-head q/k norm, rope, o), a norm, gated MLP (Gemma 3 and 4: with a norm after
+# each sublayer too; Gemma 4: a value norm, a layer scalar): the only layouts this computes
+LLAMA_STYLE = frozenset({"llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma4_text"})
 OFFSET_NORMS = frozenset({"gemma3_text"})  # RMSNorm scales by 1 + weight, in float32
+# final logits capped as their causal LM caps them (tanh of logits / cap, times cap): Gemma 4's
+# checkpoints cap at 30; Gemma 3's cap nothing, so a capped one stays refused, untested
+CAPPED = frozenset({"gemma4_text"})
+# Gemma 4's text decoder features this forward does not compute, and why each is refused
+GEMMA4_REFUSED = (("hidden_size_per_layer_input", "it feeds each layer an input of its own"),
+                  ("enable_moe_block", "its layers add a mixture-of-experts block"))
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
 ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention"})
 FIRST_CAPACITY = 512  # cache slots allocated at first; doubled as the sequence grows
@@ -59,13 +69,34 @@ def lean_reason(hf: Any) -> str | None:
     if activation not in ACTIVATIONS:
         return f"its activation is {activation}"
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, cap, None):
+        if getattr(config, cap, None) and not (cap.startswith("final")
+                                               and config.model_type in CAPPED):
             return f"it caps its logits ({cap})"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "it attends both ways"
+    # Gemma 4's "vision" lets image tokens attend both ways in the multimodal model only: its
+    # text decoder masks causally
+    if getattr(config, "use_bidirectional_attention", None) not in (None, False, "vision"):
+        return "it attends both ways (use_bidirectional_attention)"
+    refused = _gemma4_refusal(config)
+    if refused is not None:
+        return refused
     for layer in hf.model.layers:
-        if not (hasattr(layer.self_attn, "qkv_fused") and hasattr(layer.mlp, "gate_up_fused")):
+        attention = layer.self_attn
+        if not ((hasattr(attention, "qkv_fused") or hasattr(attention, "qk_fused"))
+                and hasattr(layer.mlp, "gate_up_fused")):
             return "its projections are not fused"
+    return None
+
+
+def _gemma4_refusal(config: Any) -> str | None:
+    """Why this forward does not compute a Gemma 4 text decoder (its per-layer inputs, MoE
+    blocks or shared keys and values: E2B, E4B, 26B-A4B), None where it does or for others."""
+    if config.model_type != "gemma4_text":
+        return None
+    for name, why in GEMMA4_REFUSED:
+        if getattr(config, name, None):
+            return f"{why} ({name})"
+    if "reuse" in config.kv_sharing_modes:
+        return "its last layers reuse earlier layers' keys and values (num_kv_shared_layers)"
     return None
 
 
@@ -82,9 +113,27 @@ def layer_windows(config: Any) -> list[int | None]:
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """One layer's cache: its sliding window (None: full attention), key heads, head width."""
+
+    window: int | None
+    kv_heads: int
+    head_dim: int
+
+
+def layer_geometry(hf: Any) -> list[Geometry]:
+    """Each layer's Geometry, read from its attention module: Gemma 4's full layers have wider
+    heads and fewer key heads than its sliding ones (config.per_layer_config)."""
+    heads = int(hf.config.num_attention_heads)
+    return [Geometry(window, heads // int(layer.self_attn.num_key_value_groups),
+                     int(layer.self_attn.head_dim))
+            for layer, window in zip(hf.model.layers, layer_windows(hf.config))]
+
+
+@dataclass(frozen=True)
 class _Layer:
     input_norm: torch.nn.Module
-    qkv: torch.nn.Module
+    qkv: torch.nn.Module  # q, k, v fused; q, k only where the values are the keys
     o_proj: torch.nn.Module
     post_norm: torch.nn.Module  # the MLP's input norm
     gate_up: torch.nn.Module
@@ -96,27 +145,43 @@ class _Layer:
     silu: bool
     attention_out_norm: torch.nn.Module | None  # Gemma's norms of each sublayer's output
     mlp_out_norm: torch.nn.Module | None
-    window: int | None  # a sliding-window layer's window
     rope: str | None  # the layer type whose RoPE rotates it, where they differ by type
+    heads: int
+    geometry: Geometry
+    v_norm: torch.nn.Module | None  # Gemma 4's scale-free norm of the values
+    values_are_keys: bool  # Gemma 4's attention_k_eq_v full layers: no v_proj
+    scalar: torch.Tensor | None  # Gemma 4's layer_scalar, times the layer's output
+    attention: torch.nn.Module  # sdpa_attention_forward reads its flags (groups, causal)
+    scaling: float
+
+    @property
+    def window(self) -> int | None:
+        return self.geometry.window
 
 
-def _layer(layer: Any, window: int | None, rope: str | None, silu: bool) -> _Layer:
+def _layer(layer: Any, heads: int, geometry: Geometry, rope: str | None, silu: bool) -> _Layer:
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    attention = layer.self_attn
+    # a v_proj set to None (not absent): Gemma 4's values are its keys' projection
+    values_are_keys = getattr(attention, "v_proj", True) is None
+    fused = attention.qk_fused if values_are_keys else attention.qkv_fused
     return _Layer(
-        layer.input_layernorm, layer.self_attn.qkv_fused.layer, layer.self_attn.o_proj,
+        layer.input_layernorm, fused.layer, attention.o_proj,
         layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
         layer.mlp.gate_up_fused.layer, layer.mlp.down_proj, int(layer.mlp.gate_up_fused.sizes[0]),
-        getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None),
+        getattr(attention, "q_norm", None), getattr(attention, "k_norm", None),
         layer.mlp.act_fn, silu, layer.post_attention_layernorm if sandwich else None,
-        layer.post_feedforward_layernorm if sandwich else None, window, rope)
+        layer.post_feedforward_layernorm if sandwich else None, rope, heads, geometry,
+        getattr(attention, "v_norm", None), values_are_keys,
+        getattr(layer, "layer_scalar", None), attention, float(attention.scaling))
 
 
 class _Group:
-    """Keys and values of the layers that share a window (or none) in slots [layers, kv
-    heads, slots, dim]; slot i holds token offset + i. A window's group lets go of tokens no
-    row will see again, so it holds window + 2 SPARE slots, not the context: window - 1 +
-    SPARE tokens kept at a slide, room for a verify's rows after them. A slide copies the
-    kept rows, every SPARE tokens or so: a few rows a token."""
+    """Keys and values of the layers that share a Geometry (a window or none, key heads, head
+    width) in slots [layers, kv heads, slots, dim]; slot i holds token offset + i. A window's
+    group lets go of tokens no row will see again, so it holds window + 2 SPARE slots, not the
+    context: window - 1 + SPARE tokens kept at a slide, room for a verify's rows after them. A
+    slide copies the kept rows, every SPARE tokens or so: a few rows a token."""
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  limit: int, window: int | None) -> None:
@@ -169,18 +234,18 @@ class _Group:
 
 
 class StaticKV:
-    """Keys and values of every layer in preallocated slots, full-attention layers for the
-    whole context, each sliding window's layers for its last tokens; cutting back is setting
-    `length`, within what the windows still hold (`reaches`)."""
+    """Keys and values of every layer in preallocated slots, one group per layer Geometry:
+    full-attention layers for the whole context, each sliding window's layers for its last
+    tokens; cutting back is setting `length`, within what the windows still hold
+    (`reaches`)."""
 
-    def __init__(self, windows: Sequence[int | None], kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, limit: int) -> None:
+    def __init__(self, geometry: Sequence[Geometry], dtype: torch.dtype, limit: int) -> None:
         self.limit = limit
         self.length = 0
-        kinds = list(dict.fromkeys(windows))
-        self._groups = [_Group(windows.count(w), kv_heads, head_dim, dtype, limit, w)
-                        for w in kinds]
-        self._where = [(kinds.index(w), windows[:i].count(w)) for i, w in enumerate(windows)]
+        kinds = list(dict.fromkeys(geometry))
+        self._groups = [_Group(geometry.count(g), g.kv_heads, g.head_dim, dtype, limit, g.window)
+                        for g in kinds]
+        self._where = [(kinds.index(g), geometry[:i].count(g)) for i, g in enumerate(geometry)]
 
     def reserve(self, slots: int) -> None:
         """Room for `slots` tokens in all."""
@@ -194,7 +259,8 @@ class StaticKV:
         return held.keys[at], held.values[at], held.offset
 
     def offset(self, window: int | None) -> int:
-        """The token in slot 0 of the layers with this window."""
+        """The token in slot 0 of the layers with this window (groups of one window slide
+        together: they reserve alike)."""
         return next(g.offset for g in self._groups if g.window == window)
 
     def reaches(self, length: int) -> bool:
@@ -226,20 +292,17 @@ class LeanDecoder:
     def __init__(self, hf: Any) -> None:
         config = hf.config
         self._hf = hf
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(getattr(config, "head_dim", None)
-                            or config.hidden_size // config.num_attention_heads)
+        heads = int(config.num_attention_heads)
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
-        # Gemma 3 rotates each layer type by its own RoPE (local and global bases)
+        # Gemma 3 and 4 rotate each layer type by its own RoPE (local and global bases)
         by_type = isinstance(getattr(hf.model.rotary_emb, "rope_type", None), dict)
         types = list(getattr(config, "layer_types", None) or [])
-        self._layers = [_layer(layer, window, types[i] if by_type else None,
+        self._layers = [_layer(layer, heads, shape, types[i] if by_type else None,
                                activation == "silu")
-                        for i, (layer, window) in enumerate(zip(hf.model.layers,
-                                                                layer_windows(config)))]
-        self._scaling = float(hf.model.layers[0].self_attn.scaling)
-        self._attn = hf.model.layers[0].self_attn  # sdpa_attention_forward reads its flags
+                        for i, (layer, shape) in enumerate(zip(hf.model.layers,
+                                                               layer_geometry(hf)))]
+        cap = getattr(config, "final_logit_softcapping", None)
+        self._cap = float(cap) if cap and config.model_type in CAPPED else None
         offset = config.model_type in OFFSET_NORMS
         # (weight, eps) of each layer's input norm, then of the final norm; each MLP input
         # norm's; each sublayer output norm's (Gemma)
@@ -250,12 +313,11 @@ class LeanDecoder:
             tuple(_weight_eps(norm, offset) if norm is not None else None
                   for norm in (layer.attention_out_norm, layer.mlp_out_norm))
             for layer in self._layers]
-        self.in_c = _in_c(hf, self.head_dim, self._layers[0].intermediate)
+        self.in_c = _in_c(hf, self._layers)
 
     def new_cache(self, limit: int) -> StaticKV:
         """An empty cache that grows up to `limit` slots (the model's context length)."""
-        return StaticKV([layer.window for layer in self._layers], self.kv_heads, self.head_dim,
-                        self._hf.dtype, limit)
+        return StaticKV([layer.geometry for layer in self._layers], self._hf.dtype, limit)
 
     def forward(self, cache: StaticKV, token_ids: Sequence[int], positions: Sequence[int],
                 keys: Sequence[Keys] | None, n_logits: int, capture: Iterable[int] = (),
@@ -264,7 +326,8 @@ class LeanDecoder:
         """Logits [n_logits, vocab] of the last rows and the captured layers' outputs [rows,
         hidden]; the rows' keys and values land in slots cache.length onwards, and
         cache.length advances by the rows. `keys` names each row's visible slots (None: a
-        causal prompt, attended in one call); `head` replaces the model's output layer."""
+        causal prompt, attended in one call); `head` replaces the model's output layer (and
+        its final cap: a session owns a head only where the logits are the head's alone)."""
         segment = Segment(cache, tuple(token_ids), tuple(positions), keys, n_logits)
         return self.forward_segments([segment], capture, head)[0]
 
@@ -298,10 +361,14 @@ class LeanDecoder:
         its rows of the captured layers."""
         rows = [r for (_, end, _), segment in zip(spans, segments)
                 for r in range(end - segment.n_logits, end)]
+        capped = self._cap if head is None else None
         head = self._hf.get_output_embeddings() if head is None else head
         # the final norm over the kept rows only, as transformers computes it
         last = normed[rows] if normed is not None else self._hf.model.norm(x[rows])
         logits = head(last) if rows else x[:0]
+        if capped is not None and rows:
+            # Gemma 4's causal LM's three ops, so each logit gets its bits
+            logits = torch.tanh(logits / capped) * capped
         out, at = [], 0
         for (start, end, _), segment in zip(spans, segments):
             mine = logits[at:at + segment.n_logits] if segment.n_logits else x[:0]
@@ -311,7 +378,8 @@ class LeanDecoder:
 
     def _ropes(self, x: torch.Tensor, positions: list[int]
                ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin) [rows, dim] of the rows' positions, per RoPE the layers use."""
+        """(cos, sin) [rows, dim] of the rows' positions, per RoPE the layers use (Gemma 4's
+        full layers' is as wide as their heads, its unrotated part cos 1 and sin 0)."""
         model, at = self._hf.model, torch.tensor([positions])
         out = {}
         for kind in dict.fromkeys(layer.rope for layer in self._layers):
@@ -329,11 +397,11 @@ class LeanDecoder:
                  for kind, (cos, sin) in self._ropes(x, positions).items()}
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self._layers):
-            qkv = self._head_norms(layer, layer.qkv(layer.input_norm(x)))
+            qk, v = _split(layer, layer.qkv(layer.input_norm(x)))
             cos, sin = ropes[layer.rope]
             attended = torch.cat([
-                self._attention(qkv[start:end], index, segment.cache, first, cos[start:end],
-                                sin[start:end], segment.keys)
+                self._attention(qk[start:end], v[start:end], index, segment.cache, first,
+                                cos[start:end], sin[start:end], segment.keys)
                 for (start, end, first), segment in zip(spans, segments)])
             out = layer.o_proj(attended)
             if layer.attention_out_norm is not None:
@@ -346,6 +414,8 @@ class LeanDecoder:
             if layer.mlp_out_norm is not None:
                 out = layer.mlp_out_norm(out)
             x = x + out
+            if layer.scalar is not None:
+                x = x * layer.scalar
             if index in want:
                 captured[index] = x
         return x, None, captured
@@ -355,7 +425,6 @@ class LeanDecoder:
                      ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The layers with the steps between matmuls in lean_ops' C: a prompt's rows (keys
         None) attend as a chain's do, each to the slots up to its own."""
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self._hf.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).contiguous()
         ropes = {kind: (cos.contiguous(), sin.contiguous())
                  for kind, (cos, sin) in self._ropes(x, positions).items()}
@@ -368,7 +437,8 @@ class LeanDecoder:
         captured: dict[int, torch.Tensor] = {}
         normed = lean_ops.rmsnorm(x, *self._norms[0])
         for index, layer in enumerate(self._layers):
-            qkv = self._head_norms(layer, layer.qkv(normed))
+            heads, kv_heads, dim = layer.heads, layer.geometry.kv_heads, layer.geometry.head_dim
+            qkv = _normed_qkv(layer, layer.qkv(normed))
             lean_ops.rope(qkv, heads + kv_heads, dim, *ropes[layer.rope])
             parts = []
             for (start, end, first), segment, seen in zip(spans, segments, slots):
@@ -378,7 +448,7 @@ class LeanDecoder:
                                   layer_keys, layer_values, first - offset)
                 parts.append(lean_ops.attention(rows, heads, kv_heads, dim, layer_keys,
                                                 layer_values, seen[layer.window],
-                                                self._scaling))
+                                                layer.scaling))
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
             attention_out, mlp_out = self._out_norms[index]
             out = layer.o_proj(attended)
@@ -402,28 +472,17 @@ class LeanDecoder:
             -1, layer.intermediate, layer.intermediate)
         return (layer.act(gate) * up).contiguous()
 
-    def _head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv with its queries and keys normed per head (Qwen3), as transformers norms the
-        q and k projections' outputs viewed as [rows, heads, dim]; unchanged without norms."""
-        if layer.q_norm is None or layer.k_norm is None:
-            return qkv
-        n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
-        q = layer.q_norm(qkv.narrow(-1, 0, heads * dim).view(n, heads, dim))
-        k = layer.k_norm(qkv.narrow(-1, heads * dim, kv_heads * dim).view(n, kv_heads, dim))
-        v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim)
-        return torch.cat([q.reshape(n, heads * dim), k.reshape(n, kv_heads * dim), v], dim=-1)
-
-    def _attention(self, qkv: torch.Tensor, index: int, cache: StaticKV, first: int,
-                   cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, qk: torch.Tensor, v: torch.Tensor, index: int, cache: StaticKV,
+                   first: int, cos: torch.Tensor, sin: torch.Tensor,
                    keys: Sequence[Keys] | None) -> torch.Tensor:
-        n, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        layer = self._layers[index]
+        n, heads, kv_heads, dim = qk.shape[0], layer.heads, layer.geometry.kv_heads, \
+            layer.geometry.head_dim
         # queries and keys rotate as one tensor: elementwise, so each gets its own bits
-        qk = _rotary(qkv.narrow(-1, 0, (heads + kv_heads) * dim).view(n, heads + kv_heads, dim),
-                     cos, sin)
+        qk = _rotary(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim).view(n, kv_heads, dim)
         layer_keys, layer_values, offset = cache.layer(index)
-        window = self._layers[index].window
+        window = layer.window
         at, end = first - offset, first - offset + n
         layer_keys[:, at:end] = k.transpose(0, 1)
         layer_values[:, at:end] = v.transpose(0, 1)
@@ -435,22 +494,47 @@ class LeanDecoder:
                           if first == 0 else
                           (layer_keys[None, :, start:end].contiguous(),
                            layer_values[None, :, start:end].contiguous()))
-            return self._prompt_attention(q.contiguous(), key, value,
-                                          _prompt_mask(n, first, start + offset, window))
+            out, _ = sdpa_attention_forward(layer.attention, q.contiguous().transpose(0, 1)[None],
+                                            key, value,
+                                            _prompt_mask(n, first, start + offset, window),
+                                            scaling=layer.scaling)
+            return out.reshape(n, heads * dim)
         if window is not None:
             keys = window_keys(keys, first, n, window, offset)
         key, value = layer_keys[None, :, :end], layer_values[None, :, :end]
         packed = q.view(n, kv_heads, heads // kv_heads, dim)
         rows = [F.scaled_dot_product_attention(packed[r][None], key[:, :, seen],
-                                               value[:, :, seen], scale=self._scaling)
+                                               value[:, :, seen], scale=layer.scaling)
                 for r, seen in enumerate(keys)]
         return (rows[0] if n == 1 else torch.stack(rows)).reshape(n, heads * dim)
 
-    def _prompt_attention(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        out, _ = sdpa_attention_forward(self._attn, q.transpose(0, 1)[None], key, value, mask,
-                                        scaling=self._scaling)
-        return out.reshape(q.shape[0], self.heads * self.head_dim)
+
+def _split(layer: _Layer, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys [rows, heads + kv heads, dim] before RoPE, values [rows, kv heads,
+    dim], as transformers hands them on: queries and keys normed per head where the layer
+    norms them (Qwen3, Gemma), values normed (Gemma 4) in their own tensor (SDPA reads its
+    strides) or, where they are the keys, the keys' projection before its norm."""
+    heads, kv_heads, dim = layer.heads, layer.geometry.kv_heads, layer.geometry.head_dim
+    n = qkv.shape[0]
+    keys = qkv.narrow(-1, heads * dim, kv_heads * dim).view(n, kv_heads, dim)
+    v = keys if layer.values_are_keys else qkv.narrow(
+        -1, (heads + kv_heads) * dim, kv_heads * dim).view(n, kv_heads, dim)
+    if layer.v_norm is not None:
+        v = layer.v_norm(v)
+    if layer.q_norm is None or layer.k_norm is None:
+        return qkv.narrow(-1, 0, (heads + kv_heads) * dim).view(n, heads + kv_heads, dim), v
+    q = layer.q_norm(qkv.narrow(-1, 0, heads * dim).view(n, heads, dim))
+    return torch.cat([q, layer.k_norm(keys)], dim=1), v
+
+
+def _normed_qkv(layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+    """qkv as lean_ops reads it, [rows, (heads + 2 kv heads) * dim], its queries and keys
+    normed per head where the layer norms them; unchanged without norms."""
+    if layer.q_norm is None or layer.k_norm is None:
+        return qkv
+    qk, v = _split(layer, qkv)
+    n = qkv.shape[0]
+    return torch.cat([qk.reshape(n, -1), v.reshape(n, -1)], dim=-1)
 
 
 def _prompt_mask(n: int, first: int, lead: int, window: int | None) -> torch.Tensor | None:
@@ -487,12 +571,17 @@ def _weight_eps(norm: torch.nn.Module, offset: bool) -> tuple[torch.Tensor, floa
     return norm.weight, float(norm.variance_epsilon)
 
 
-def _in_c(hf: Any, head_dim: int, intermediate: int) -> bool:
+def _in_c(hf: Any, layers: Sequence[_Layer]) -> bool:
     """Whether lean_ops computes the steps between matmuls: a GGUF model's float32 forward
-    (no transformers forward to match bit for bit) where the kernel runs and its widths fit."""
+    (no transformers forward to match bit for bit) where the kernel runs, its widths fit and
+    its layers need no step the C lacks (Gemma 4's value norms, layer scalars, values that
+    are the keys: no GGUF of it loads on the blocks path, gguf_model.py)."""
+    hidden = int(hf.config.hidden_size)
+    plain = all(layer.v_norm is None and layer.scalar is None and not layer.values_are_keys
+                and lean_ops.fits(hidden, layer.intermediate, layer.geometry.head_dim)
+                for layer in layers)
     return (getattr(hf, "gguf_tensors", None) is not None and hf.dtype == torch.float32
-            and lean_ops.fits(int(hf.config.hidden_size), intermediate, head_dim)
-            and lean_ops.is_available())
+            and plain and lean_ops.is_available())
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,9 @@ import torch
 # layers call them)
 GROUPS = (("qkv_fused", ("q_proj", "k_proj", "v_proj")),
           ("gate_up_fused", ("gate_proj", "up_proj")))
+# where v_proj is None, not absent: Gemma 4's attention_k_eq_v full layers take their values
+# from the keys' projection, so their queries and keys are the projections of one input
+KEYS_AS_VALUES = ("qk_fused", ("q_proj", "k_proj"))
 
 
 class FusedProjection(torch.nn.Module):
@@ -64,7 +67,7 @@ def fuse_projections(model: torch.nn.Module) -> int:
     groups were fused. Run before quantizing."""
     fused = 0
     for module in list(model.modules()):
-        for fused_name, names in GROUPS:
+        for fused_name, names in _groups(module):
             layers = [getattr(module, name, None) for name in names]
             if not _fusable(layers):
                 continue
@@ -74,6 +77,13 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 setattr(module, name, ProjectionSlice(group, index))
             fused += 1
     return fused
+
+
+def _groups(module: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """GROUPS, and KEYS_AS_VALUES for a module whose v_proj is None."""
+    if hasattr(module, "v_proj") and module.v_proj is None:
+        return (*GROUPS, KEYS_AS_VALUES)
+    return GROUPS
 
 
 def _fusable(layers: list[torch.nn.Module | None]) -> bool:

@@ -250,6 +250,11 @@ class LeanSession(TorchSession):
     def length(self) -> int:
         return self._static.length
 
+    def _may_own_head(self) -> bool:
+        # a capped model's (Gemma 4's) logits are not its head's alone: the lean forward caps
+        # only what the model's own head computes, as HfSession keeps the model's
+        return logits_are_the_head_alone(self._model.hf.config)
+
     def _run(self, block: Block, want: frozenset[int]) -> tuple[torch.Tensor, Hidden]:
         return self._lean.forward_segments([self.segment(block)], want, head=self.head)[0]
 

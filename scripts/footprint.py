@@ -127,7 +127,7 @@ def main() -> None:
 
 def estimate(pair, runs: list[dict]) -> dict:
     """The planner's memory for the pair against serve's measured peak."""
-    from backends.torch.decoder import FIRST_CAPACITY
+    from backends.torch.static_kv import FIRST_CAPACITY
 
     gib = 2**30
     held, tab = (sizing.pair_fit(pair, "torch", "cpu", 64 * gib, context).memory_bytes / gib

@@ -18,7 +18,8 @@ from app.core.types import SamplingParams  # noqa: E402
 from app.drafters import build_drafter  # noqa: E402
 from backends.torch import gguf_model, lean_ops  # noqa: E402
 from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
-from backends.torch.decoder import SPARE, lean_reason  # noqa: E402
+from backends.torch.decoder import lean_reason  # noqa: E402
+from backends.torch.static_kv import SPARE  # noqa: E402
 from tests.test_engine import oracle  # noqa: E402
 from tests.tiny import VOCAB, W4A8, save_gguf, tiny_tokenizer  # noqa: E402
 from tests.tiny_families import WINDOW, tiny_family  # noqa: E402

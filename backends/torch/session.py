@@ -23,15 +23,10 @@ from transformers.cache_utils import DummyLayer
 from app.core.protocols import Capabilities, ForwardCall, TargetOutput
 from app.core.types import SpecdeckError, tree_parents
 from backends.torch import attention as torch_attention
-from backends.torch.decoder import (
-    LeanDecoder,
-    Segment,
-    chain_keys,
-    tree_keys,
-    tree_positions,
-)
+from backends.torch.decoder import LeanDecoder, Segment
 from backends.torch.output_heads import SubsetHead, logits_are_the_head_alone
 from backends.torch.rewind import PastRecorder, recorder_for
+from backends.torch.static_kv import chain_keys, tree_keys, tree_positions
 
 # forwards up to this many rows are verifies (split into exact blocks); longer ones are prompt
 # prefills, split alike on the CPU and run in one call on a GPU

@@ -21,7 +21,7 @@ from app.drafters import build_drafter  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.torch.decoder import lean_reason  # noqa: E402
 from tests.test_engine import oracle  # noqa: E402
-from tests.tiny import VOCAB, tiny_tokenizer  # noqa: E402
+from tests.tiny import VOCAB, lean_and_reference, same_rows, tiny_tokenizer  # noqa: E402
 from tests.tiny_families import WINDOW  # noqa: E402
 
 # the 31B's config, narrowed: sliding layers of 2 key heads 16 wide, full layers of 1 key head
@@ -63,16 +63,10 @@ def _ids(n: int, seed: int) -> list[int]:
 def test_the_lean_forward_gives_gemma_4_rows_the_bits_of_the_transformers_forward(
         tmp_path, dtype):
     model = TorchBackend().load(_saved(tmp_path / "gemma4"), device="cpu", dtype=dtype)
-    assert model.lean is not None
-    lean = model.start()
-    model.lean = None
-    reference = model.start()
+    lean, reference = sessions = lean_and_reference(model)
 
     def both(ids, **kwargs):
-        a, b = (s.forward(ids, capture=(0, 1, 3), **kwargs) for s in (lean, reference))
-        assert (a.host_logits() == b.host_logits()).all()
-        for layer in (0, 1, 3):
-            assert torch.equal(a.hidden_states[layer], b.hidden_states[layer])
+        same_rows(sessions, ids, (0, 1, 3), **kwargs)
 
     both(_ids(70, 1), n_logits=3)  # a first prompt past the row-wise limit: one masked call
     for token in range(8):

@@ -21,7 +21,14 @@ from backends.torch.backend import TorchBackend, TorchModel  # noqa: E402
 from backends.torch.decoder import lean_reason  # noqa: E402
 from backends.torch.static_kv import SPARE  # noqa: E402
 from tests.test_engine import oracle  # noqa: E402
-from tests.tiny import VOCAB, W4A8, save_gguf, tiny_tokenizer  # noqa: E402
+from tests.tiny import (  # noqa: E402
+    VOCAB,
+    W4A8,
+    lean_and_reference,
+    same_rows,
+    save_gguf,
+    tiny_tokenizer,
+)
 from tests.tiny_families import WINDOW, tiny_family  # noqa: E402
 
 # widths the C steps take (multiples of 16): tiny_families' 32-wide models keep the torch steps
@@ -65,16 +72,10 @@ def _saved(family: str, folder) -> str:
 def test_the_lean_forward_gives_windowed_rows_the_bits_of_the_transformers_forward(
         tmp_path, family, dtype):
     model = TorchBackend().load(_saved(family, tmp_path / family), device="cpu", dtype=dtype)
-    assert model.lean is not None
-    lean = model.start()
-    model.lean = None
-    reference = model.start()
+    lean, reference = sessions = lean_and_reference(model)
 
     def both(ids, **kwargs):
-        a, b = (s.forward(ids, capture=(0, 1), **kwargs) for s in (lean, reference))
-        assert (a.host_logits() == b.host_logits()).all()
-        for layer in (0, 1):
-            assert torch.equal(a.hidden_states[layer], b.hidden_states[layer])
+        same_rows(sessions, ids, (0, 1), **kwargs)
 
     both(_ids(70, 1), n_logits=3)  # a first prompt past the row-wise limit: one masked call
     for token in range(12):

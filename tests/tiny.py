@@ -86,6 +86,24 @@ GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
 LLAMA_CPP_NORM_SHIFT = {"gemma3": 1.0}
 
 
+def lean_and_reference(model: TorchModel) -> tuple[Any, Any]:
+    """A session on a loaded model's lean forward and one on transformers' forward (the model
+    keeps the latter afterwards)."""
+    assert model.lean is not None
+    lean = model.start()
+    model.lean = None
+    return lean, model.start()
+
+
+def same_rows(sessions: tuple[Any, Any], ids: list[int], layers: tuple[int, ...],
+              **kwargs: Any) -> None:
+    """Both sessions forward ids: their logits and captured layers hold the same bits."""
+    a, b = (s.forward(ids, capture=layers, **kwargs) for s in sessions)
+    assert (a.host_logits() == b.host_logits()).all()
+    for layer in layers:
+        assert torch.equal(a.hidden_states[layer], b.hidden_states[layer])
+
+
 def write_shape(writer: Any, config: Any) -> None:
     """The metadata keys of a decoder's shape, as llama.cpp's converter writes them."""
     writer.add_block_count(config.num_hidden_layers)

@@ -16,6 +16,9 @@ two independent readings of one convention (and llama.cpp, where it is installed
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +61,30 @@ ARCHITECTURES = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
 PRE_TOKENIZERS = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
 # kept F32 whatever the file type: llama.cpp's converter never quantizes a router
 F32_MATRICES = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
+
+
+_LLAMA_CPP = """
+import json, sys
+from llama_cpp import Llama
+path, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+llm = Llama(path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False)
+llm.eval(prompt)
+logits = [list(map(float, row)) for row in llm.scores[:len(prompt)]]
+tokens = []
+for _ in range(new):
+    tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+    llm.eval(tokens[-1:])
+print(json.dumps({"logits": logits, "tokens": tokens}))
+"""
+
+
+def llama_cpp_run(path: Path, prompt: list[int], new: int) -> dict:
+    """llama.cpp's own loader and graph on a file: every prompt position's logits and `new`
+    greedy tokens (in a child, as a ggml assert aborts)."""
+    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), json.dumps(prompt),
+                          str(new)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def load_files(files: dict[int, Path]) -> dict[int, TorchModel]:

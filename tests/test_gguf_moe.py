@@ -11,7 +11,6 @@ logits."""
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 import sys
 
@@ -32,6 +31,7 @@ from tests.qwen35_gguf import (  # noqa: E402
     ARCHITECTURES,
     F32,
     decoded,
+    llama_cpp_run,
     load_files,
     logits,
     moe_twin,
@@ -174,29 +174,11 @@ def test_lookup_on_a_moe_gguf_keeps_the_plain_output(models, plain, kind, k):
     assert done.stats.drafted > done.stats.accepted  # some drafts rejected: the state rewound
 
 
-_LLAMA_CPP = """
-import json, sys
-from llama_cpp import Llama
-path, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = Llama(path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False)
-llm.eval(prompt)
-logits = [list(map(float, row)) for row in llm.scores[:len(prompt)]]
-tokens = []
-for _ in range(new):
-    tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-    llm.eval(tokens[-1:])
-print(json.dumps({"logits": logits, "tokens": tokens}))
-"""
-
-
 def test_llama_cpp_reads_the_same_moe_model_from_the_file(files, models, plain):
     """The convention itself: llama.cpp's own loader and graph, on the F32 file, give the
     logits and greedy tokens specdeck's reading gives (in a child, as a ggml assert aborts)."""
     pytest.importorskip("llama_cpp")
-    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(files[F32]), json.dumps(PROMPT),
-                          str(NEW)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    theirs = llama_cpp_run(files[F32], PROMPT, NEW)
     ours = logits(models[F32], PROMPT).numpy()
     # llama.cpp keeps its KV cache in F16: a few 1e-4 on logits near 3
     assert np.abs(np.array(theirs["logits"]) - ours).max() < 5e-3
@@ -256,10 +238,7 @@ def test_llama_cpp_computes_the_same_logits_from_a_q4_k_m_moe_file(q4_k_m):
     from both as from the source, or farther."""
     path, source = q4_k_m
     model = TorchBackend().load(str(path), device="cpu", dtype="gguf")
-    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), json.dumps(PROMPT),
-                          "1"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1])["logits"])
+    theirs = torch.tensor(llama_cpp_run(path, PROMPT, 1)["logits"])
     ours = logits(model, PROMPT)
     quantization = float((theirs - logits(source, PROMPT)).norm())
     assert float((ours - theirs).norm()) < 0.5 * quantization

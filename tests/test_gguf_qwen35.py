@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from backends.torch.gguf_layers import GgufLinear  # noqa: E402
 from tests.qwen35_gguf import (  # noqa: E402
     F32,
     decoded,
+    llama_cpp_run,
     load_files,
     logits,
     save_qwen35_gguf,
@@ -125,29 +124,11 @@ def test_generate_with_drafter_ngram_on_a_qwen35_gguf_is_token_identical(files, 
     assert runs["ngram"]["dtype"] == "gguf" and runs["ngram"]["drafted"] > 0
 
 
-_LLAMA_CPP = """
-import json, sys
-from llama_cpp import Llama
-path, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = Llama(path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False)
-llm.eval(prompt)
-logits = [list(map(float, row)) for row in llm.scores[:len(prompt)]]
-tokens = []
-for _ in range(new):
-    tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-    llm.eval(tokens[-1:])
-print(json.dumps({"logits": logits, "tokens": tokens}))
-"""
-
-
 def test_llama_cpp_reads_the_same_model_from_the_file(files, models, plain):
     """The convention itself: llama.cpp's own loader and graph, on the F32 file, give the
     logits and greedy tokens specdeck's reading gives (in a child, as a ggml assert aborts)."""
     pytest.importorskip("llama_cpp")
-    run = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(files[F32]), json.dumps(PROMPT),
-                          str(NEW)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    theirs = llama_cpp_run(files[F32], PROMPT, NEW)
     ours = logits(models[F32], PROMPT).numpy()
     # llama.cpp keeps its KV cache in F16: a few 1e-4 on logits near 3
     assert np.abs(np.array(theirs["logits"]) - ours).max() < 5e-3
